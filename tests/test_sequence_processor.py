@@ -3,20 +3,11 @@ import logging, math
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from entropy_grpo.policies import tiny_policy
+from exact import enumerate_entropy, warped_logq
 from entropy_grpo.sequence_processor import (BatchedSequences, GenerationConfig, SequenceProcessor, check_probe_batch,
                                              hf_generation_config, own_generation_config, to_batched_sequences)
-
-
-def warped_logq(model, ids, temperature, top_p, top_k=0):
-    "Reference: log-softmax of transformers' warpers applied to a plain, unpadded forward. ids [L] -> [L-1, V]."
-    logits = model(torch.as_tensor(ids)[None]).logits[0, :-1].float()
-    for w in ([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
-              + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])):
-        logits = w(None, logits)
-    return logits.log_softmax(-1)
 
 
 def reference_sequence_logprobs(model, bs, temperature, top_p, top_k=0):
@@ -91,30 +82,12 @@ def test_generate_uses_exactly_our_knobs_despite_model_generation_config(tiny):
     assert bs.shape[:2] == (1, 4)
 
 
-def _enumerate_exact_entropy(model, prompt_ids, eos, V, max_new, temperature, top_p):
-    "Exact entropy (nats) of the sampled sequence distribution, by brute-force enumeration of every completion."
-    H, total, stack = 0.0, 0.0, [(list(prompt_ids), 0.0)]
-    while stack:
-        ids, lq = stack.pop()
-        q = warped_logq(model, ids + [eos], temperature, top_p)[-1]      # next-token log q after `ids`
-        for y in range(V):
-            if q[y] == float("-inf"): continue
-            lqy = lq + float(q[y])
-            if y == eos or len(ids) + 1 - len(prompt_ids) == max_new:
-                H -= math.exp(lqy) * lqy; total += math.exp(lqy)
-            else:
-                stack.append((ids + [y], lqy))
-    assert abs(total - 1) < 1e-5, total
-    return H
-
-
 @pytest.mark.slow
 def test_rb_and_naive_match_enumerated_entropy():
     model, tok = tiny_policy(0, vocab_size=7, pad_is_eos=True, alphabet="abcdef", init_std=0.6)
     T, top_p, max_new = 0.7, 0.9, 3
     prompt = tok("abc", add_special_tokens=False)["input_ids"]
-    with torch.no_grad():
-        exact = _enumerate_exact_entropy(model, prompt, tok.eos_token_id, len(tok), max_new, T, top_p)
+    exact = enumerate_entropy(model, prompt, tok.eos_token_id, len(tok), max_new, T, top_p)
     sp = SequenceProcessor(model, tok, GenerationConfig(temperature=T, top_p=top_p, max_new_tokens=max_new,
                                                         num_generations=1000, gen_batch_size=1000, seed=0))
     bs = sp.generate_batched(["abc"] * 4)                      # 4000 sequences

@@ -1,0 +1,32 @@
+"Exact references for tests: transformers' own warpers on plain forwards, and brute-force enumeration."
+import math
+
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+
+def warped_logq(model, ids, temperature, top_p, top_k=0):
+    "log-softmax of transformers' warpers applied to a plain, unpadded forward. ids [L] -> [L-1, V]."
+    logits = model(torch.as_tensor(ids)[None]).logits[0, :-1].float()
+    for w in ([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
+              + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])):
+        logits = w(None, logits)
+    return logits.log_softmax(-1)
+
+
+@torch.no_grad()
+def enumerate_entropy(model, prompt_ids, eos, V, max_new, temperature, top_p):
+    "Exact entropy (nats) of the sampled sequence distribution, by enumerating every completion."
+    H, total, stack = 0.0, 0.0, [(list(prompt_ids), 0.0)]
+    while stack:
+        ids, lq = stack.pop()
+        q = warped_logq(model, ids + [eos], temperature, top_p)[-1]      # next-token log q after `ids`
+        for y in range(V):
+            if q[y] == float("-inf"): continue
+            lqy = lq + float(q[y])
+            if y == eos or len(ids) + 1 - len(prompt_ids) == max_new:
+                H -= math.exp(lqy) * lqy; total += math.exp(lqy)
+            else:
+                stack.append((ids + [y], lqy))
+    assert abs(total - 1) < 1e-5, total
+    return H

@@ -1,0 +1,208 @@
+"DeltaEntropyIS: exact restore, lr -> 0 limits, enumeration, RB vs naive, 1 vs 2 processes, bad input."
+import json, os, socket, warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from entropy_grpo.delta_entropy_is import DeltaEntropyIS
+from entropy_grpo.dr_grpo import group_advantages, policy_gradient_backward
+from entropy_grpo.policies import tiny_policy
+from entropy_grpo.sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor, make_probe_batch
+from exact import enumerate_entropy
+
+QS = [f"Question: What is {a} + {b}? Answer:" for a, b in [(1, 2), (30, 4), (7, 7), (12, 9), (5, 60), (8, 1)]]
+
+
+def setup(top_p=0.95, seed=0, lr=1e-3, weight_decay=0.01, prior_step=True, dtype=torch.float32):
+    model, tok = tiny_policy(seed, dtype=dtype)
+    cfg = GenerationConfig(temperature=0.9, top_p=top_p, max_new_tokens=8, num_generations=4)
+    sp = SequenceProcessor(model, tok, cfg)
+    U_seqs = sp.generate_batched(QS[:4], seed=2)
+    r = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    U = make_probe_batch(U_seqs, r, group_advantages(r), max_new_tokens=cfg.max_new_tokens)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    if prior_step:
+        opt.zero_grad(); policy_gradient_backward(sp, U_seqs, U["advantages"]); opt.step()
+    E = sp.generate_batched(QS, seed=1)
+    return model, sp, E, U, opt
+
+
+def snapshot(model, opt):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for i, st in enumerate(opt.state.values())},
+            [g["lr"] for g in opt.param_groups])
+
+
+def assert_same(a, b):
+    for k in a[0]: assert torch.equal(a[0][k], b[0][k]), k
+    assert a[1].keys() == b[1].keys()
+    for i in a[1]:
+        for k in a[1][i]: assert torch.equal(torch.as_tensor(a[1][i][k]), torch.as_tensor(b[1][i][k])), (i, k)
+    assert a[2] == b[2]
+
+
+def train_step(sp, U, opt):
+    opt.zero_grad()
+    policy_gradient_backward(sp, BatchedSequences(U["sequences"], U["attention_masks"], U["prompt_lens"],
+                                                  torch.zeros(U["num_prompts"], U["num_responses_per_prompt"])), U["advantages"])
+    opt.step()
+
+
+def test_restore_is_bitwise_and_next_step_unchanged():
+    model, sp, E, U, opt = setup()
+    before = snapshot(model, opt)
+    rng = torch.get_rng_state()
+    DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change_two_batch(model, E, U, opt, {"lr": 1e-2})
+    assert_same(before, snapshot(model, opt))
+    assert torch.equal(rng, torch.get_rng_state())
+    train_step(sp, U, opt)
+    twin, sp2, _, _, opt2 = setup()
+    train_step(sp2, U, opt2)
+    assert_same(snapshot(model, opt), snapshot(twin, opt2))
+
+
+def test_restore_when_update_raises_midway(monkeypatch):
+    model, sp, E, U, opt = setup()
+    before = snapshot(model, opt)
+    real_step = opt.step
+    def step_then_fail(*a, **k):
+        real_step(*a, **k); raise RuntimeError("device lost mid-update")
+    monkeypatch.setattr(opt, "step", step_then_fail)
+    with pytest.raises(RuntimeError, match="device lost"):
+        DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change_two_batch(model, E, U, opt, {"lr": 1e-2})
+    assert_same(before, snapshot(model, opt))
+
+
+def test_nan_log_weights_error_after_restore(monkeypatch):
+    model, sp, E, U, opt = setup()
+    before = snapshot(model, opt)
+    real_step = opt.step
+    def poison(*a, **k):
+        real_step(*a, **k)
+        with torch.no_grad(): model.lm_head.weight.fill_(float("nan"))
+    monkeypatch.setattr(opt, "step", poison)
+    with pytest.raises(FloatingPointError, match="NaN"):
+        DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change_two_batch(model, E, U, opt)
+    assert_same(before, snapshot(model, opt))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.95])
+def test_small_lr_limits(top_p):
+    model, sp, E, U, opt = setup(top_p=top_p, dtype=torch.float64)     # float64 model (Llama's norms still round in float32)
+    probe = DeltaEntropyIS(model, sp.config, sequence_processor=sp)
+    n_E = E.shape[0] * E.shape[1]
+    res = {lr: probe.entropy_change_two_batch(model, E, U, opt, {"lr": lr}) for lr in (1e-3, 1e-4, 1e-5, 1e-6, 1e-7)}
+    s = {lr: r["deltaH_true_fixed_support"] / lr for lr, r in res.items()}
+    print(top_p, {lr: (r["deltaH_true"], r["deltaH_support_change"], r["ess"]) for lr, r in res.items()}, s)
+    assert abs(res[1e-7]["deltaH_true"]) < abs(res[1e-3]["deltaH_true"]) and abs(res[1e-7]["deltaH_true"]) < 1e-4
+    assert res[1e-7]["ess"] > n_E - 1e-3
+    # fixed-support part linear in lr: ΔH/lr settles, its relative change shrinking decade by decade
+    assert abs(s[1e-6] / s[1e-5] - 1) < 0.02 and abs(s[1e-6] / s[1e-5] - 1) < abs(s[1e-5] / s[1e-4] - 1)
+    if top_p == 1.0:
+        assert all(r["deltaH_support_change"] == 0 and r["n_support_changed_positions"] == 0 for r in res.values())
+    else:
+        assert res[1e-3]["n_support_changed_positions"] > 0           # reported, not hidden
+        assert "deltaH_support_change" in res[1e-3]
+
+
+@pytest.mark.slow
+def test_matches_enumerated_entropy_change():
+    "Exact H(θ⁺) − H(θ) by enumeration after a real step vs deltaH_true over repeated E draws."
+    model, tok = tiny_policy(0, vocab_size=7, pad_is_eos=True, alphabet="abcdef", init_std=0.6)
+    T, top_p, max_new = 0.7, 1.0, 3
+    cfg = GenerationConfig(temperature=T, top_p=top_p, max_new_tokens=max_new, num_generations=8, gen_batch_size=512)
+    sp = SequenceProcessor(model, tok, cfg)
+    prompt = tok("abc", add_special_tokens=False)["input_ids"]
+    U_seqs = sp.generate_batched(["abc"] * 4, seed=5)
+    r = (U_seqs.gen_lens == max_new).float() * 1.0            # reward long completions: entropy moves
+    U = make_probe_batch(U_seqs, r, group_advantages(r), max_new_tokens=max_new)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    H0 = enumerate_entropy(model, prompt, tok.eos_token_id, len(tok), max_new, T, top_p)
+    probe = DeltaEntropyIS(model, cfg, sequence_processor=sp)
+    est = []
+    for d in range(12):
+        E = sp.generate_batched(["abc"] * 64, seed=100 + d)     # 512 sequences
+        est.append(probe.entropy_change_two_batch(model, E, U, opt)["deltaH_true"])
+    opt.zero_grad(); policy_gradient_backward(sp, U_seqs, U["advantages"]); opt.step()
+    H1 = enumerate_entropy(model, prompt, tok.eos_token_id, len(tok), max_new, T, top_p)
+    est = torch.tensor(est, dtype=torch.float64)
+    se = est.std() / len(est) ** 0.5
+    print(f"exact ΔH {H1 - H0:+.5f}  estimated {est.mean():+.5f} ± {se:.5f}")
+    assert abs(H1 - H0) > 3 * se                                # the step moved entropy measurably
+    assert abs(est.mean() - (H1 - H0)) < 4 * se
+
+
+def test_rb_spread_smaller_than_naive():
+    model, sp, _, U, opt = setup(top_p=0.95)
+    probe = DeltaEntropyIS(model, sp.config, sequence_processor=sp)
+    rb, nv = [], []
+    for d in range(8):
+        E = sp.generate_batched(QS, seed=10 + d)
+        rb.append(probe.entropy_change_two_batch(model, E, U, opt, {"entropy_mode": "rb", "lr": 1e-3})["H_orig"])
+        nv.append(probe.entropy_change_two_batch(model, E, U, opt, {"entropy_mode": "naive", "lr": 1e-3})["H_orig"])
+    rb, nv = torch.tensor(rb), torch.tensor(nv)
+    print(f"H_orig RB {rb.mean():.3f} ± {rb.std():.3f}  naive {nv.mean():.3f} ± {nv.std():.3f}  spread ratio {nv.std() / rb.std():.1f}")
+    assert abs(rb.mean() - nv.mean()) < 3 * nv.std()
+    assert rb.std() < nv.std()
+
+
+def test_zero_advantages_and_low_ess_and_bad_input():
+    model, sp, E, U, opt = setup(weight_decay=0.0, prior_step=False)
+    probe = DeltaEntropyIS(model, sp.config, sequence_processor=sp)
+    zero = {**U, "advantages": torch.zeros_like(U["advantages"])}
+    res = probe.entropy_change_two_batch(model, E, zero, opt)
+    assert res["deltaH_true"] == 0 and any("advantages are zero" in n for n in res["notes"])
+    with pytest.warns(UserWarning, match="ESS"):
+        res = probe.entropy_change_two_batch(model, E, U, opt, {"lr": 0.02, "min_ess_frac": 0.9})
+    assert any("ESS" in n for n in res["notes"])
+    empty = BatchedSequences(E.sequences, torch.zeros_like(E.attention_masks), E.prompt_lens, torch.zeros_like(E.gen_lens))
+    with pytest.raises(ValueError, match="E_batch is empty"):
+        probe.entropy_change_two_batch(model, empty, U, opt)
+    with pytest.raises(ValueError, match=r"advantages: expected shape \(4, 4\)"):
+        probe.entropy_change_two_batch(model, E, {**U, "advantages": torch.zeros(4, 3)}, opt)
+    with pytest.raises(ValueError, match="entropy_mode='exact'"):
+        probe.entropy_change_two_batch(model, E, U, opt, {"entropy_mode": "exact"})
+    with pytest.raises(ValueError, match="unknown keys"):
+        probe.entropy_change_two_batch(model, E, U, opt, {"lrr": 1e-3})
+
+
+def test_full_support_weights_and_per_token():
+    model, sp, E, U, opt = setup(top_p=0.95)
+    res = DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change_two_batch(
+        model, E, U, opt, {"support": "full", "report_per_token": True, "lr": 1e-4})
+    assert res["n_zero_weight_sequences"] == 0 and abs(res["deltaH_true_tok"]) < abs(res["deltaH_true"])
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+
+
+def _worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model, sp, E, U, opt = setup(top_p=0.95)
+        b = E.shape[0] // world; u = U["num_prompts"] // world
+        E_r = E[rank * b:(rank + 1) * b]
+        U_r = {k: (v[rank * u:(rank + 1) * u] if (torch.is_tensor(v) or isinstance(v, list)) else v) for k, v in U.items()}
+        U_r.update(num_prompts=u)
+        res = DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change_two_batch(model, E_r, U_r, opt, {"lr": 1e-3})
+        if rank == 0:
+            with open(os.path.join(out_dir, "dist.json"), "w") as f: json.dump(res, f)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_one_process_equals_two_processes(tmp_path):
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    two = json.loads((tmp_path / "dist.json").read_text())
+    model, sp, E, U, opt = setup(top_p=0.95)
+    one = DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change_two_batch(model, E, U, opt, {"lr": 1e-3})
+    for k in ("H_orig", "H_upd", "deltaH_true", "deltaH_true_fixed_support", "deltaH_support_change", "ess", "sum_weights",
+              "logw_max", "logw_min", "logw_mean"):
+        assert abs(one[k] - two[k]) <= 1e-6 * max(1.0, abs(one[k])), (k, one[k], two[k])
+    for k in ("n_E", "n_zero_weight_sequences", "n_support_changed_positions"):
+        assert one[k] == two[k], k
