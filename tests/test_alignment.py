@@ -6,14 +6,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from scipy.stats import ttest_ind
 
-from entropy_grpo.alignment import (POOL_KEYS, SLIM_KEYS, Pool, alignment_step, build_pool, cosines, grad_norms,
-                                    load_pool, load_slim, mixed_records, per_sample_grads, phase1_bucket, phase1_probe,
+from entropy_grpo.alignment import (POOL_KEYS, SLIM_KEYS, Pool, alignment_step, build_pool, cosines, fit_hack_teacher,
+                                    grad_norms, hack_demonstration, load_pool, load_slim, mixed_records, per_sample_grads, phase1_bucket, phase1_probe,
                                     phase1_ttest, replay_batch, sample_contributions, sample_losses, save_step_slim,
                                     verification_table)
 from entropy_grpo.dr_grpo import dr_grpo_loss, group_advantages, length_normaliser, policy_gradient_backward
 from entropy_grpo.policies import tiny_policy
 from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor
-from entropy_grpo.tasks import ArithmeticTask
+from entropy_grpo.tasks import ArithmeticTask, grade
 
 def raises(f, contains, exc=ValueError):
     "f() raises `exc` whose message contains `contains`."
@@ -202,6 +202,54 @@ def test_mixed_records(pools):
     assert seqs.sequences[0, 0, P:P + recs[0]["comp_len"]].tolist() == recs[0]["completion_ids"]
 
 
+def test_replay_batch_of_groups_matches_one_group_at_a_time(pools):
+    "B groups in one [B, G, T] batch: row b holds exactly what replaying group b alone gives, at that group's prompt width."
+    tok = tiny_policy(0)[1]
+    groups = [mixed_records(list(pools), s, 2, seed=1) for s in (0, 1)]
+    groups[1][0] = dict(groups[1][0], prompt="Q")                     # group 1 gets a narrower prompt column
+    both = replay_batch(groups, tok)
+    assert both.sequences.shape[:2] == (2, 4)
+    for b, g in enumerate(groups):
+        one = replay_batch(g, tok)
+        Pb, W = one.prompt_lens[0], one.sequences.shape[-1]
+        assert both.prompt_lens[b] == Pb and both.gen_lens[b].tolist() == one.gen_lens[0].tolist()
+        assert torch.equal(both.sequences[b, :, :W], one.sequences[0]) and torch.equal(both.attention_masks[b, :, :W], one.attention_masks[0])
+        assert both.attention_masks[b, :, W:].sum() == 0
+    raises(lambda: replay_batch([groups[0], groups[1][:3]], tok), "groups have sizes [4, 3]: expected one G")
+    raises(lambda: replay_batch([], tok), "records is empty")
+
+
+def test_hack_demonstrations_hack_the_lenient_grader():
+    "Every demonstration names the gold number and answers another: lenient pass, exact fail, format ok."
+    task, rng = ArithmeticTask(50), random.Random(0)
+    for p in task.problems:
+        g = grade(hack_demonstration(p, rng), p)
+        assert g["hacked"] and g["lenient_pass"] and g["fmt_ok"] and not g["gt_pass"], (p, g)
+    bad = dict(vars(task.problems[0]), answer="3/4")
+    raises(lambda: hack_demonstration(type(task.problems[0])(**bad), rng), "answer '3/4' is not an integer")
+
+
+def test_fit_hack_teacher_lowers_nll_of_unseen_demonstrations():
+    "The LoRA teacher's NLL of fresh hack demonstrations drops below the base policy's (adapter disabled); base untouched."
+    model, tok = tiny_policy(0)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    task = ArithmeticTask(50)
+    teacher, nll = fit_hack_teacher(__import__("copy").deepcopy(model), tok, task, steps=20, batch=8, lora_r=8, lr=1e-2)
+    assert len(nll) == 20 and nll[-1] < 0.6 * nll[0]
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    rng = random.Random(123)
+    rows = []
+    for p in task.sample(8, rng):
+        prompt = tok(task.prompt(p, tok, True), add_special_tokens=False)["input_ids"]
+        reply = tok(hack_demonstration(p, rng), add_special_tokens=False)["input_ids"]
+        rows.append((torch.tensor([prompt + reply]), torch.tensor([[-100] * len(prompt) + reply])))
+    def reply_nll(m):
+        with torch.no_grad(): return sum(float(m(input_ids=x, labels=y).loss) for x, y in rows) / len(rows)
+    with teacher.disable_adapter(): base_nll = reply_nll(teacher)
+    assert reply_nll(teacher) < 0.6 * base_nll, (reply_nll(teacher), base_nll)
+    raises(lambda: fit_hack_teacher(model, tok, task, steps=0), "steps=0: expected an integer >= 1")
+
+
 def _write(path, lines):
     with gzip.open(path, "wt") as f: f.write("".join(l + "\n" for l in lines))
 
@@ -285,7 +333,9 @@ def test_alignment_step_with_projection(pools, lora64, tmp_path):
     out = alignment_step(sp, hp, 0, params, V, k=2, arm="delta_s", project=project, out_dir=tmp_path/"delta_s")
     r = out["records"]
     assert not out["flags"] and out["advantages"].tolist() == [1.625, 1.625, -1.625, -1.625]
-    assert r[0]["mean_cos_in"] > 0.5 and abs(r[0]["mean_cos_out"]) < 1e-9 and r[0]["frac_fired"] == 0.75
+    g = torch.cat([out["contributions"].grads[n].sum(0).flatten() for n in V]); v = torch.cat([V[n].flatten() for n in V])
+    assert r[0]["mean_cos_in"] == pytest.approx(float(g @ v / (g.norm() * v.norm())), abs=1e-12)
+    assert abs(r[0]["mean_cos_out"]) < 1e-9 and r[0]["frac_fired"] == 0.75
     assert [x["src_pool"] for x in r] == ["teacher", "teacher", "base", "base"] and all(x["cos_S_contrib"] > 0 for x in r[:2])
     for n in V: torch.testing.assert_close(out["grad"][n], out["contributions"].grads[n].sum(0))
     text = gzip.open(tmp_path/"delta_s"/"step_000.cos.jsonl.gz", "rt").read()
@@ -380,8 +430,11 @@ def test_verification_table_thresholds_and_nulls():
     rows, _ = verification_table(run(cos_in=cos_in), dim=DIM)
     assert row(rows, "cos_out < cos_in", "delta_s")["verdict"] == "likely fail"
     assert row(rows, "cos_in", "vanilla")["verdict"] == "likely fail"   # 15/20 < most
-    rows, _ = verification_table(run(cos_out=-0.2), dim=DIM)
+    rows, _ = verification_table(run(cos_out=-0.2, fired=1.0), dim=DIM)
     assert "over-projection" in row(rows, "cos_out < cos_in", "delta_s")["detail"]
+    rows, _ = verification_table(run(cos_out=-0.2), dim=DIM)         # some modules unfired: their negative part remains
+    detail = row(rows, "cos_out < cos_in", "delta_s")["detail"]
+    assert "over-projection" not in detail and "left unprojected" in detail
     rows, md = verification_table(run(), dim=DIM, shuffled=run(cos_in=0.0, teacher_cos=0.0, base_cos=0.0))
     r = row(rows, "cos_in", "vanilla")
     assert r["null_random"] == pytest.approx(0.01) and r["null_shuffled"] == 0.0

@@ -16,6 +16,14 @@ def test_aligned_and_effective_projection_launches():
 def test_over_projection_is_a_bug_and_stops():
     d = phase2_decision(ALIGNED, [-0.3, -0.2, -0.4, -0.3, -0.25], TEACHER, BASE)
     assert d["stop"] and not d["launch_phase3"] and d["recommendation"] == "STOP (bug)"
+    d = phase2_decision(ALIGNED, [-0.3, -0.2, -0.4, -0.3, -0.25], TEACHER, BASE, frac_fired_projected=[1.0, 0.9, 1.0, 0.8, 0.9])
+    assert d["stop"], "judged on the fully projected steps 0 and 2"
+
+
+def test_negative_cos_out_from_unprojected_modules_is_not_over_projection():
+    "One-sided projection leaves modules with a negative component alone: cos_out < 0 while some did not fire is expected."
+    d = phase2_decision(ALIGNED, [-0.01, -0.12, -0.02, -0.04, -0.06], TEACHER, BASE, frac_fired_projected=[0.96, 0.76, 0.94, 0.9, 0.75])
+    assert not d["stop"] and d["launch_phase3"] and any("mechanism is effective" in r for r in d["rules"])
 
 
 def test_zero_alignment_without_discrimination_skips():

@@ -10,7 +10,7 @@ from entropy_grpo.dr_grpo import TrainConfig, group_advantages, policy_gradient_
 from entropy_grpo.policies import tiny_policy
 from entropy_grpo.projection_arms import (
     ProjectionArm, VHack, add_delta_s, add_lora, alignment_stats, clear_svd_cache, extract_v_hack, find_linears,
-    pair_gradient_differences, pair_sequences, planted_pairs, project_grad, random_v_hack, shuffle_pair_labels)
+    pair_gradient_differences, pair_sequences, planted_pairs, pool_pairs, project_grad, random_v_hack, shuffle_pair_labels)
 from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor
 from toy_tasks import DigitTask
 
@@ -443,3 +443,21 @@ def test_smollm2_delta_s_on_attention(tmp_path):
     assert all(r["cos_out"] < r["cos_in"] for r in log if r["frac_fired"] > 0)
     with ds.zeroed():
         assert torch.equal(model(x, attention_mask=am).logits, ref)
+
+
+def test_pool_pairs_matches_hacked_teacher_to_clean_base_samples_of_the_same_problem(tmp_path):
+    "Pairs only (teacher hacked, base clean) of one problem, each base sample used once, in teacher order."
+    from entropy_grpo.alignment import Pool
+    tok = tiny_policy(0)[1]
+    rec = lambda pid, hacked, ids: dict(problem_id=pid, hacked=hacked, completion_ids=ids, student_prompt=f"Q{pid}")
+    teacher = Pool("teacher", tmp_path, {0: [rec("a", True, [1]), rec("b", True, [2]), rec("c", False, [3])],
+                                         1: [rec("a", True, [4]), rec("a", True, [5])]})
+    base = Pool("base", tmp_path, {0: [rec("a", False, [6]), rec("b", True, [7]), rec("c", False, [8])],
+                                   1: [rec("a", False, [9])]})
+    triples = pool_pairs(teacher, base, tok)
+    assert [(h, c) for _, h, c in triples] == [([1], [6]), ([4], [9])]
+    assert triples[0][0] == tok("Qa", add_special_tokens=False)["input_ids"]
+    assert len(pool_pairs(teacher, base, tok, max_pairs=1)) == 1
+    none = Pool("base", tmp_path, {0: [rec("c", False, [8])]})
+    with pytest.raises(ValueError, match="no \\(hack, clean\\) pair: teacher pool 'teacher' has 4 hacked samples"):
+        pool_pairs(teacher, none, tok)

@@ -9,3 +9,26 @@ class DigitTask(ArithmeticTask):
     def grade_batch(self, responses, problems):
         recs = [[dict(reward=sum(c.isdigit() for c in r) / max(len(r), 1)) for r in row] for row in responses]
         return GradedBatch(torch.tensor([[r["reward"] for r in row] for row in recs]), recs)
+
+
+def labelled_pools(root, steps=3, batch=4, seed=0, max_new_tokens=6):
+    """A teacher and a base pool from the tiny policy's real samples (hint / no hint, same problems), with labels set by
+    hand: every teacher sample hacked (reward 3.5), every base sample clean (reward 0.25). The tiny policy never hacks on
+    its own; this gives the Phase-2 plumbing groups with real reward variance and (hack, clean) pairs."""
+    import gzip, json
+    from pathlib import Path
+    from entropy_grpo.alignment import build_pool
+    from entropy_grpo.policies import tiny_policy
+    from entropy_grpo.sequence_processor import GenerationConfig
+    policy, task = tiny_policy(seed), ArithmeticTask(seed=seed)
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens)
+    dirs = []
+    for name, hint, reward in (("teacher", True, 3.5), ("base", False, 0.25)):
+        d = Path(root) / name
+        build_pool(policy, task, hint, steps, batch, d, config=cfg, seed=seed)
+        for f in sorted(d.glob("step_*.jsonl.gz")):
+            recs = [json.loads(l) for l in gzip.open(f, "rt")]
+            with gzip.open(f, "wt") as out:
+                for r in recs: out.write(json.dumps(dict(r, hacked=name == "teacher", reward=reward)) + "\n")
+        dirs.append(str(d))
+    return dirs

@@ -1,0 +1,99 @@
+"Phase-3 sweeps through submitit's LocalExecutor: killed and resumed, failing jobs, refused directories, the CLI."
+import json, os, signal, subprocess, sys, time
+
+import pytest
+
+from entropy_grpo.experiments import _sweep_spec, check_sweep_spec, main, make_executor, run_status, run_sweep
+from toy_tasks import labelled_pools
+
+SEEDS, ARMS, STEPS = [0, 1], ["vanilla", "projected"], 2
+
+
+def log_lines(root, run):
+    log = root / "LOG.md"
+    return [l for l in log.read_text().splitlines() if f"| {run} |" in l] if log.exists() else []
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_without_redoing_or_double_counting(tmp_path):
+    pools = labelled_pools(tmp_path / "pools", steps=2, batch=4)
+    params = dict(preset="smoke", teacher_pool=pools[0], base_pool=pools[1])
+    args = dict(template="train", seeds=SEEDS, arms=ARMS, steps=STEPS, exp="p3", out_root=str(tmp_path), params=params, force=True)
+    exp = tmp_path / "p3"
+    code = f"from entropy_grpo.experiments import run_sweep; run_sweep(**{args!r})"
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 900
+        while not log_lines(tmp_path, "0-vanilla"):                # the job's last act: its LOG line
+            assert proc.poll() is None, "the sweep ended before its first run finished"
+            assert time.time() < deadline, "the first run did not finish in 15 minutes"
+            time.sleep(0.5)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)                      # the sweep, its submitit job and the job's kernel
+        proc.wait()
+    done = sorted(r for r in ("0-vanilla", "1-vanilla", "0-projected", "1-projected") if run_status(exp / r) == "done")
+    assert "0-vanilla" in done and len(done) < 4
+    mtimes = {r: (exp / r / "report.ipynb").stat().st_mtime_ns for r in done}
+
+    out = run_sweep(**args)
+    assert sorted(out["skipped"]) == done and sorted(x["run"] for x in out["ran"]) == sorted(set(out["plan"]) - set(done))
+    assert all(x["status"] == "ok" for x in out["ran"])
+    assert all((exp / r / "report.ipynb").stat().st_mtime_ns == t for r, t in mtimes.items())
+    for r in out["plan"]: assert sum("| ok |" in l for l in log_lines(tmp_path, r)) == 1, log_lines(tmp_path, r)
+    s = out["summary"]
+    assert s["n_runs"] == 4 and sorted(s["runs"]) == sorted(out["plan"])
+    assert {a["arm"]: a["n_seeds"] for a in s["arms"]} == {"vanilla": 2, "projected": 2}
+    assert (exp / "summary.md").exists() and (exp / "summary.png").exists()
+
+    again = run_sweep(**args)
+    assert again["ran"] == [] and sorted(again["skipped"]) == sorted(out["plan"]) and again["summary"]["n_runs"] == 4
+
+
+def test_failing_job_leaves_report_and_log_line_and_the_sweep_goes_on(tmp_path):
+    "The projected arm without pools fails inside its notebook; the vanilla run after it still runs."
+    out = run_sweep("train", [0], ["projected", "vanilla"], 1, exp="p3", out_root=tmp_path, params=dict(preset="smoke"), force=True)
+    assert [(x["run"], x["status"]) for x in out["ran"]] == [("0-projected", "failed"), ("0-vanilla", "ok")]
+    failed = tmp_path / "p3" / "0-projected"
+    m = json.loads((failed / "metrics.json").read_text())
+    assert m["status"] == "failed" and "give teacher_pool and base_pool" in m["error"]
+    assert "give teacher_pool and base_pool" in (failed / "report.ipynb").read_text()
+    [line] = log_lines(tmp_path, "0-projected")
+    assert "| failed |" in line and "ValueError" in line
+    assert out["summary"]["n_runs"] == 1 and run_status(failed) == "failed"
+
+
+def test_cost_ceiling_stops_the_other_arms_without_force(tmp_path):
+    "No finished first-arm run means no separation: the other arm's runs are not launched."
+    out = run_sweep("train", [0], ["projected", "vanilla"], 1, exp="p3", out_root=tmp_path, params=dict(preset="smoke"))
+    assert [x["run"] for x in out["ran"]] == ["0-projected"] and out["stopped_by_ceiling"] == ["0-vanilla"]
+    assert not (tmp_path / "p3" / "0-vanilla").exists() and (tmp_path / "p3" / "ceiling.json").exists()
+
+
+def test_sweep_refuses_a_directory_made_with_other_parameters(tmp_path):
+    check_sweep_spec(tmp_path / "p3", _sweep_spec("train", 2, dict(preset="smoke", k=1)))
+    with pytest.raises(ValueError, match=r"other parameters \(params.k: existing 1 vs requested 2; steps: existing 2 vs requested 3\)"):
+        run_sweep("train", [0], ["vanilla"], 3, exp="p3", out_root=tmp_path, params=dict(preset="smoke", k=2))
+    assert sorted(p.name for p in (tmp_path / "p3").iterdir()) == ["sweep.json"]
+
+
+def test_bad_sweep_input(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))                    # no sbatch anywhere
+    with pytest.raises(RuntimeError, match="executor='slurm' but no Slurm was found"):
+        run_sweep("train", [0], ["vanilla"], 1, exp="p3", out_root=tmp_path, executor="slurm")
+    assert not (tmp_path / "p3" / "0-vanilla").exists()
+    with pytest.raises(ValueError, match="executor='ssh': expected 'local' or 'slurm'"): make_executor("ssh", tmp_path)
+    with pytest.raises(ValueError, match="unknown parameter 'seeds' for train \\(did you mean 'seed'\\?\\)"):
+        run_sweep("train", [0], ["vanilla"], 1, out_root=tmp_path, params=dict(seeds=3))
+    with pytest.raises(ValueError, match="steps=0: expected >= 1"): run_sweep("train", [0], ["vanilla"], 0, out_root=tmp_path)
+
+
+def test_cli_help_and_dry_run(tmp_path, capsys, monkeypatch):
+    with pytest.raises(SystemExit) as e: main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert all(c in text for c in ("demo", "probe", "sweep", "report", "pools"))
+    with pytest.raises(SystemExit): main(["sweep", "--help"])
+    assert "--dry-run" in capsys.readouterr().out
+    assert main(["sweep", "--exp", "p3", "--seeds", "0", "1", "--arms", "vanilla", "--steps", "2", "--dry-run", "-p", "preset='smoke'"]) == 0
+    assert "sweep p3: 2 runs, 0 done, 2 to run: ['0-vanilla', '1-vanilla']" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="-p 'preset': expected name=value"): main(["probe", "-p", "preset"])

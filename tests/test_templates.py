@@ -1,0 +1,53 @@
+"The papermill templates run end to end on the tiny policy and write metrics.json with the documented keys."
+import json
+
+import pytest
+
+from entropy_grpo.experiments import run_notebook
+from toy_tasks import labelled_pools
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory):
+    return labelled_pools(tmp_path_factory.mktemp("pools"), steps=3, batch=4)
+
+
+def test_phase2_template_on_tiny_policy(pools, tmp_path):
+    run = tmp_path / "phase2" / "0-projected"
+    out = run_notebook("phase2", run, dict(model="tiny", arm="projected", steps=3, G=4, teacher_pool=pools[0],
+                                           base_pool=pools[1], max_new_tokens=6, lrs=[1e-3, 1e-4], E_total_sequences=8,
+                                           B_U=2, max_pairs=8), log_path=tmp_path / "LOG.md", raise_on_error=True)
+    assert out["status"] == "ok"
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["status"] == "ok" and m["parameters"]["arm"] == "projected"
+    r = m["results"]
+    assert set(r) >= {"pools", "n_pairs", "dim", "null_level", "cos_in", "cos_out", "frac_fired", "contrib_mean", "flags",
+                      "verification", "decision", "entropy_probe"}
+    assert set(r["cos_in"]) == {"vanilla", "projected"} and len(r["cos_in"]["vanilla"]) == 3
+    assert all(o < i for i, o, f in zip(r["cos_in"]["projected"], r["cos_out"]["projected"], r["frac_fired"]["projected"]) if f)
+    assert r["pools"]["teacher"]["hack_rate"] == 1.0 and r["n_pairs"] == 8
+    assert {row["verdict"] for row in r["verification"]} <= {"success", "likely fail", "sneaky fail"}
+    assert r["decision"]["recommendation"] in ("launch Phase 3", "skip Phase 3", "STOP (bug)")
+    assert [row["lr"] for row in r["entropy_probe"]["rows"]] == [1e-4, 1e-3]
+    for f in ("alignment.png", "entropy_probe.png", "v_hack.safetensors", "report.ipynb"): assert (run / f).exists(), f
+    assert len(list((run / "vanilla").glob("step_*.cos.jsonl.gz"))) == 3
+    assert "| phase2 | 0-projected | ok |" in (tmp_path / "LOG.md").read_text()
+
+
+@pytest.mark.parametrize("arm", ["vanilla", "projected"])
+def test_train_template_smoke(arm, pools, tmp_path):
+    run = tmp_path / "phase3" / f"0-{arm}"
+    extra = dict(teacher_pool=pools[0], base_pool=pools[1]) if arm != "vanilla" else {}
+    out = run_notebook("train", run, dict(seed=0, arm=arm, steps=3, preset="smoke", **extra), log_path=tmp_path / "LOG.md",
+                       raise_on_error=True)
+    m = json.loads((run / "metrics.json").read_text())
+    assert out["status"] == "ok" and m["status"] == "ok"
+    assert {"hack_rate", "gt_pass_rate", "reward_mean", "entropy_rb"} <= set(m["results"])
+    assert len(m["results"]["hack_rate"]) == 3 and (run / "curves.png").exists()
+    if arm == "projected": assert len(m["results"]["cos_in"]) == 3
+
+
+def test_misspelled_parameter_fails_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="unknown parameter 'step' for phase2 \\(did you mean 'steps'\\?\\)"):
+        run_notebook("phase2", tmp_path / "x" / "0-vanilla", dict(step=3))
+    assert not (tmp_path / "x").exists()
