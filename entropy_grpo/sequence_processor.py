@@ -161,12 +161,20 @@ def _support_mask(idx:Tensor, V:int) -> Tensor:
     keep.scatter_(1, idx.where(idx >= 0, V), True)
     return keep[:, :V]
 
-def _masked_entropy(x:Tensor, keep:Tensor|None) -> tuple[Tensor, Tensor]:
-    "(logsumexp over the kept set, entropy of softmax over it) for x [c, V]; keep None = all of V."
-    xs = x if keep is None else x.masked_fill(~keep, float("-inf"))
-    lse = xs.logsumexp(-1)
-    p = (xs - lse[:, None]).exp()
-    return lse, lse - (p * (x if keep is None else x.masked_fill(~keep, 0.))).sum(-1)
+def _entropies(x:Tensor, keep:Tensor|None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logsumexp, entropy) of softmax(x) over all of V and over the kept set, for x [c, V]; keep None = all of V.
+    One softmax serves both: with y = x − lse and p = exp(y), H_full = −Σ p·y, and over the kept set K with mass
+    z = Σ_K p, lse_K = lse + log z and H_K = log z − Σ_K p·y / z. Centring on lse keeps the sums small (less float32
+    cancellation than lse − Σ p·x), and no masked copy of x is made. Exact unless the kept set's whole mass underflows
+    (z < 1e-38 in float32), which cannot happen for a kept set that contains the argmax."""
+    lse = x.logsumexp(-1)
+    y = x - lse[:, None]
+    p = y.exp()
+    py = p * y
+    h = -py.sum(-1)
+    if keep is None: return lse, h, lse, h
+    z = torch.where(keep, p, 0.).sum(-1)
+    return lse, h, lse + z.log(), z.log() - torch.where(keep, py, 0.).sum(-1) / z
 
 def token_stats(
     x:Tensor,              # [c, V] float32 logits / temperature
@@ -186,8 +194,7 @@ def token_stats(
         rows = torch.arange(c, device=x.device)
         outside = ~keep[rows, tokens]
         keep[rows, tokens] = True           # the realised token is never excluded
-    lse_full, h_full = _masked_entropy(x, None) if (compute_rb or not truncated) else (None, None)
-    lse, h = _masked_entropy(x, keep) if truncated else (lse_full, h_full)
+    lse_full, h_full, lse, h = _entropies(x, keep)
     x_y = x.gather(1, tokens[:, None]).squeeze(1)
     out = dict(logq=x_y - lse, outside=outside if truncated else torch.zeros(c, dtype=torch.bool, device=x.device))
     if compute_rb: out.update(rb=h, full=h_full, logp_full=(x_y - lse_full).detach())
