@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .dr_grpo import dr_grpo_loss, group_advantages, length_normaliser
-from .sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor
+from .sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor, pack_sequences
 
 # %% auto #0
 __all__ = ['log', 'POOL_KEYS', 'REPLAY_KEYS', 'LOSS_MODES', 'GRAD_METHODS', 'COS_REDUCE', 'PHASE1_BUCKETS', 'SLIM_KEYS', 'Pool',
@@ -276,17 +276,7 @@ def replay_batch(
             if not c or not p: raise ValueError(f"{where}: empty prompt or completion")
             rows.append((p, c))
         toks.append(rows)
-    P = [max(len(p) for p, _ in rows) for rows in toks]
-    T = max(Pb + max(len(c) for _, c in rows) for Pb, rows in zip(P, toks))
-    B, G = len(groups), len(groups[0])
-    seqs = torch.full((B, G, T), pad, dtype=torch.long)
-    attn = torch.zeros((B, G, T), dtype=torch.long)
-    for b, (Pb, rows) in enumerate(zip(P, toks)):
-        for g, (p, c) in enumerate(rows):
-            seqs[b, g, Pb - len(p):Pb] = torch.tensor(p); seqs[b, g, Pb:Pb + len(c)] = torch.tensor(c)
-            attn[b, g, Pb - len(p):Pb + len(c)] = 1
-    gen_lens = torch.tensor([[len(c) for _, c in rows] for rows in toks])
-    return BatchedSequences(seqs, attn, P, gen_lens, [[r["completion"] for r in group] for group in groups])
+    return pack_sequences(toks, pad, responses_text=[[r["completion"] for r in group] for group in groups])
 
 # %% ../nbs/04a_alignment_probe.ipynb #72c8f4b9
 LOSS_MODES = ("grpo", "nll")
@@ -723,8 +713,9 @@ def _projected_row(arm, groups, shuffled_groups, most, tol, null, fired_min):
     over = [s for s in below0 if groups[s][0]["frac_fired"] >= 1]        # nothing left unprojected that could be negative
     detail = f"median frac_fired {_fmt(fired, '.2f')}" + (f"; over-projection (cos_out < 0 with every module fired) on steps "
                                                            f"{over}: a bug, stop" if over else "")
-    if sorted(set(below0) - set(over)):
-        detail += (f"; cos_out < 0 on steps {sorted(set(below0) - set(over))} from the modules left unprojected "
+    unfired = [s for s in below0 if s not in over]
+    if unfired:
+        detail += (f"; cos_out < 0 on steps {unfired} from the modules left unprojected "
                    "(one-sided: their component was already negative)")
     if fired is not None and fired < fired_min: verdict, detail = "sneaky fail", f"projection fires on few modules (< {fired_min}); " + detail
     elif n_below >= _need(most, len(steps)): verdict = "success"

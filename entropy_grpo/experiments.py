@@ -166,9 +166,8 @@ def phase2_decision(
     discriminates = bool(t >= 2)
     fired, launch, stop = [], True, False
     cout = None if cos_out_projected is None or len(cos_out_projected) == 0 else np.asarray(cos_out_projected, float)
-    full = None if cout is None else np.ones(len(cout), bool) if frac_fired_projected is None else \
-           np.asarray(frac_fired_projected, float) >= 1
-    if cout is not None and full.any() and cout[full].mean() < -zero_tol:
+    full = cout if cout is None or frac_fired_projected is None else cout[np.asarray(frac_fired_projected, float) >= 1]
+    if full is not None and full.size and full.mean() < -zero_tol:
         fired.append("over-projection: projection drives cos below 0 with every module projected → a bug; stop")
         launch, stop = False, True
     if bool((np.abs(cin) < zero_tol).all()):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .dr_grpo import LENGTH_NORMS, dr_grpo_loss
-from .sequence_processor import BatchedSequences, SequenceProcessor
+from .sequence_processor import BatchedSequences, SequenceProcessor, pack_sequences
 
 # %% auto #0
 __all__ = ['STRUCTURE_KEYS', 'V_HACK_LOSSES', 'GATES', 'COS_KEYS', 'NULL_KEYS', 'ARMS', 'find_linears', 'tensor_hash',
@@ -326,16 +326,7 @@ def pair_sequences(
     if not triples: raise ValueError("triples=[]: expected at least one (prompt_ids, hack_ids, clean_ids)")
     for i, (p, h, c) in enumerate(triples):
         if not len(p) or not len(h) or not len(c): raise ValueError(f"pair {i}: prompt, hack and clean completions must be non-empty")
-    n, P = len(triples), max(len(t[0]) for t in triples)
-    L = max(max(len(t[1]), len(t[2])) for t in triples)
-    seqs = torch.full((n, 2, P + L), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, 2, P + L), dtype=torch.long)
-    gen_lens = torch.zeros((n, 2), dtype=torch.long)
-    for i, (p, *comps) in enumerate(triples):
-        for g, c in enumerate(comps):
-            seqs[i, g, P - len(p):P] = torch.as_tensor(p); seqs[i, g, P:P + len(c)] = torch.as_tensor(c)
-            attn[i, g, P - len(p):P + len(c)] = 1; gen_lens[i, g] = len(c)
-    return BatchedSequences(seqs, attn, [P] * n, gen_lens)
+    return pack_sequences([[(p, h), (p, c)] for p, h, c in triples], pad_id, prompt_width=max(len(t[0]) for t in triples))
 
 def planted_pairs(
     tokenizer,

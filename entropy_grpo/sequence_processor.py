@@ -18,9 +18,9 @@ from .policies import load_policy, tiny_policy
 from .rb_entropy import sampling_mask
 
 # %% auto #0
-__all__ = ['log', 'PROBE_BATCH_KEYS', 'GenerationConfig', 'check_sampling', 'BatchedSequences', 'LogprobResults',
-           'completion_mask', 'hf_generation_config', 'own_generation_config', 'token_stats', 'SequenceProcessor',
-           'check_probe_batch', 'make_probe_batch', 'to_batched_sequences']
+__all__ = ['log', 'PROBE_BATCH_KEYS', 'GenerationConfig', 'check_sampling', 'BatchedSequences', 'pack_sequences',
+           'LogprobResults', 'completion_mask', 'hf_generation_config', 'own_generation_config', 'token_stats',
+           'SequenceProcessor', 'check_probe_batch', 'make_probe_batch', 'to_batched_sequences']
 
 # %% ../nbs/00_sequence_processor.ipynb #09628449
 log = logging.getLogger(__name__)
@@ -84,6 +84,26 @@ class BatchedSequences:
         t = torch.as_tensor(idx, dtype=torch.long)
         return BatchedSequences(self.sequences[t], self.attention_masks[t], [self.prompt_lens[i] for i in idx],
                                 self.gen_lens[t], None if self.responses_text is None else [self.responses_text[i] for i in idx])
+
+# %% ../nbs/00_sequence_processor.ipynb #5aadc2bd
+def pack_sequences(
+    groups:list,                  # B groups of G (prompt_ids, completion_ids) token-id lists, non-empty
+    pad_id:int,
+    prompt_width:int|None=None,   # one prompt column for every group; None: each group's longest prompt
+    responses_text:list|None=None,
+)->BatchedSequences:              # [B, G, T]: prompts left-padded to their group's width, completions right-padded
+    "Token-id lists as a batch, laid out as `generate` lays it out (replayed samples, (hack, clean) pairs)."
+    widths = [prompt_width or max(len(p) for p, _ in rows) for rows in groups]
+    B, G = len(groups), len(groups[0])
+    T = max(P + max(len(c) for _, c in rows) for P, rows in zip(widths, groups))
+    seqs = torch.full((B, G, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, G, T), dtype=torch.long)
+    for b, (P, rows) in enumerate(zip(widths, groups)):
+        for g, (p, c) in enumerate(rows):
+            seqs[b, g, P - len(p):P] = torch.as_tensor(p); seqs[b, g, P:P + len(c)] = torch.as_tensor(c)
+            attn[b, g, P - len(p):P + len(c)] = 1
+    gen_lens = torch.tensor([[len(c) for _, c in rows] for rows in groups])
+    return BatchedSequences(seqs, attn, widths, gen_lens, responses_text)
 
 # %% ../nbs/00_sequence_processor.ipynb #e5484e7c
 @dataclass
@@ -174,7 +194,8 @@ def _entropies(x:Tensor, keep:Tensor|None) -> tuple[Tensor, Tensor, Tensor, Tens
     h = -py.sum(-1)
     if keep is None: return lse, h, lse, h
     z = torch.where(keep, p, 0.).sum(-1)
-    return lse, h, lse + z.log(), z.log() - torch.where(keep, py, 0.).sum(-1) / z
+    logz = z.log()
+    return lse, h, lse + logz, logz - torch.where(keep, py, 0.).sum(-1) / z
 
 def token_stats(
     x:Tensor,              # [c, V] float32 logits / temperature

@@ -1,15 +1,15 @@
 "DeltaEntropyIS: exact restore, lr -> 0 limits, enumeration, RB vs naive, 1 vs 2 processes, bad input."
-import json, os, socket, warnings
+import json, os, warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from entropy_grpo.delta_entropy_is import DeltaEntropyIS
 from entropy_grpo.dr_grpo import group_advantages, policy_gradient_backward
 from entropy_grpo.policies import tiny_policy
 from entropy_grpo.sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor, make_probe_batch
 from exact import enumerate_entropy
+from gloo import gloo_group, spawn_two
 
 QS = [f"Question: What is {a} + {b}? Answer:" for a, b in [(1, 2), (30, 4), (7, 7), (12, 9), (5, 60), (8, 1)]]
 
@@ -174,16 +174,8 @@ def test_full_support_weights_and_per_token():
     assert res["n_zero_weight_sequences"] == 0 and abs(res["deltaH_true_tok"]) < abs(res["deltaH_true"])
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
-
-
 def _worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         model, sp, E, U, opt = setup(top_p=0.95, dtype=torch.float64)
         b = E.shape[0] // world; u = U["num_prompts"] // world
         E_r = E[rank * b:(rank + 1) * b]
@@ -192,12 +184,10 @@ def _worker(rank, world, port, out_dir):
         res = DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change_two_batch(model, E_r, U_r, opt, {"lr": 1e-3})
         if rank == 0:
             with open(os.path.join(out_dir, "dist.json"), "w") as f: json.dump(res, f)
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_one_process_equals_two_processes(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_two(_worker, str(tmp_path))
     two = json.loads((tmp_path / "dist.json").read_text())
     model, sp, E, U, opt = setup(top_p=0.95, dtype=torch.float64)
     one = DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change_two_batch(model, E, U, opt, {"lr": 1e-3})
