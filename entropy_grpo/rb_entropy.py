@@ -62,7 +62,8 @@ def naive_sampling_mask(
     return keep
 
 # %% ../nbs/01_rb_entropy.ipynb #7e6801dd
-_WINDOW = 1024    # first top-k window (+1); rows whose nucleus is wider retry with 8× the window, then the whole row
+_WINDOW = 16      # first top-k window (+1); rows whose nucleus reaches its edge retry with 8× the window, …, the whole row
+_Z_RTOL = 1e-5    # rows whose tail lies within _Z_RTOL·(1 + |lse|/8)·Z of (1 − top_p)·Z get the exact tail (≥ 20× the rounding)
 
 @dataclass
 class _Nucleus:
@@ -73,13 +74,14 @@ class _Nucleus:
     floor:Tensor   # [c] top-k threshold (−inf when off): TopP sorts the row with the tokens below it at −inf
     groups:list    # [(rows [g], idx [g, K])]: idx[j, :n[rows[j]]] are row j's kept tokens, most probable first
 
-def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1) -> _Nucleus:
-    "Kept-set sizes of x [c, V] (scaled logits, no grad) from growing top-k windows and the mass below them."
+def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=None) -> _Nucleus:
+    "Kept sets of x [c, V] (scaled logits, no grad) from growing top-k windows; lse [c] = x.logsumexp(-1) if known."
     c, V = x.shape
     k = min(max(top_k, min_keep), V)
     thresh = float(torch.tensor(1 - top_p, dtype=torch.float32))           # the warper compares float32 cumsums
     nuc = _Nucleus(x.new_zeros(c, dtype=torch.long), x.new_empty(c), x.new_zeros(c, dtype=torch.bool),
                    x.new_full((c,), -math.inf), [])
+    if top_p < 1 and not top_k and lse is None: lse = x.logsumexp(-1)
     rows, W = torch.arange(c, device=x.device), min(V, (k if top_k else _WINDOW) + 1)
     while rows.numel():
         xr = x if rows.numel() == c else x[rows]
@@ -90,9 +92,7 @@ def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1) -> _Nucleus:
         keep = cand
         if top_p < 1:
             e = torch.where(cand, (v - v[:, :1]).exp(), 0.).double()          # e^{x − max} on the window
-            below = 0. if top_k or W == V else \
-                (torch.where(xr <= v[:, -1:], xr, -math.inf).logsumexp(-1, keepdim=True) - v[:, :1]).exp().double()
-            tail = below + e.flip(-1).cumsum(-1).flip(-1)                     # mass at or below each rank (× Z)
+            tail = _tail(xr, v, e, cand, None if top_k or W == V else lse[rows], thresh)
             keep = cand & (tail > thresh * tail[:, :1])                       # as TopP: removed iff ≤ (1 − top_p)·Z
         keep[:, :min_keep] = True
         n = keep.sum(-1)
@@ -106,6 +106,22 @@ def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1) -> _Nucleus:
             nuc.groups.append((d, i[done][:, :int(nd.max())]))
         rows, W = rows[~done], min(V, 8 * W)
     return nuc
+
+def _tail(xr:Tensor, v:Tensor, e:Tensor, cand:Tensor, lse:Tensor|None, thresh:float) -> Tensor:
+    """Mass at or below each window rank (× e^{−max}) [r, W], float64. lse None: the window holds every candidate.
+    Else Z − the mass above, with Z from the float32 lse (relative error ~|lse|·6e-8); rows where some rank's tail is
+    that close to thresh·Z get the exact tail instead: the logsumexp of the logits below the window + the window's."""
+    rev = e.flip(-1).cumsum(-1).flip(-1)                                      # window mass at or below each rank
+    if lse is None: return rev
+    Z = (lse[:, None] - v[:, :1]).double().exp()
+    tail = Z - rev[:, :1] + rev
+    tol = _Z_RTOL * (1 + lse.abs().double() / 8)[:, None] * Z
+    near = (((tail - thresh * Z).abs() < tol) & cand).any(-1)
+    if near.any():
+        xn, vn = xr[near], v[near]
+        below = (torch.where(xn <= vn[:, -1:], xn, -math.inf).logsumexp(-1, keepdim=True) - vn[:, :1]).exp().double()
+        tail[near] = below + rev[near]
+    return tail
 
 def _sorted_kept(x:Tensor, n:Tensor, floor:Tensor) -> Tensor:
     "The n[j] tokens TopPLogitsWarper keeps in row j of x [r, V], in its own sort order (it decides among ties)."
@@ -179,6 +195,21 @@ def _mask_lists(keep:Tensor) -> tuple[Tensor, Tensor]:
     idx = torch.zeros(keep.shape[0], int(n.max()), dtype=torch.long, device=keep.device)
     idx[r, torch.arange(r.numel(), device=keep.device) - (n.cumsum(0) - n)[r]] = col
     return idx, n
+
+def _kept_indices(x:Tensor, top_p:float, top_k:int, lse:Tensor|None=None, chunk_size:int=64) -> Tensor:
+    """The warpers' kept sets of x [c, V] (scaled logits, no grad) as token ids [c, K_max], −1 padded, without a
+    [c, V] mask; lse [c] = x.logsumexp(-1) if known. Rows with a split tie list the warper's choice among the ties."""
+    starts = range(0, x.shape[0], chunk_size)
+    nucs = [_nucleus(x[s:s + chunk_size], top_p, top_k, lse=None if lse is None else lse[s:s + chunk_size]) for s in starts]
+    n = torch.cat([u.n for u in nucs]) if nucs else x.new_zeros(0, dtype=torch.long)
+    idx = torch.full((x.shape[0], int(n.max()) if nucs else 0), -1, dtype=torch.long, device=x.device)
+    for s, u in zip(starts, nucs):
+        for rows, i in u.groups: idx[s + rows, :i.shape[1]] = i
+        t = u.tied.nonzero()[:, 0]
+        if t.numel():
+            ti = _mask_lists(_sorted_kept(x[s + t], u.n[t], u.floor[t]))[0]
+            idx[s + t, :ti.shape[1]] = ti
+    return idx.masked_fill_(torch.arange(idx.shape[1], device=x.device) >= n[:, None], -1)
 
 def _chunk_stats(chunk:Tensor, kc:Tensor|None, temperature, top_p, top_k):
     "Scaled logits (no grad), _Nucleus (None for an explicit kept set kc) and graph-carrying (lse, H) of a chunk [c, V]."

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .policies import load_policy, tiny_policy
-from .rb_entropy import sampling_mask
+from .rb_entropy import _FullStats, _kept_indices, sampling_mask
 
 # %% auto #0
 __all__ = ['log', 'PROBE_BATCH_KEYS', 'GenerationConfig', 'check_sampling', 'BatchedSequences', 'pack_sequences',
@@ -169,58 +169,33 @@ def own_generation_config(model):
     finally: target.generation_config = saved
 
 # %% ../nbs/00_sequence_processor.ipynb #717b96ce
-def _support_indices(keep:Tensor, x:Tensor) -> Tensor:
-    "Kept sets as token indices [c, K_max], −1 padded (K_max = largest kept set in the chunk)."
-    counts = keep.sum(-1)
-    idx = x.masked_fill(~keep, float("-inf")).topk(int(counts.max()), dim=-1).indices
-    return idx.masked_fill(torch.arange(idx.shape[1], device=x.device)[None] >= counts[:, None], -1)
-
-def _support_mask(idx:Tensor, V:int) -> Tensor:
-    "Bool [c, V] from −1-padded index lists."
-    keep = torch.zeros(idx.shape[0], V + 1, dtype=torch.bool, device=idx.device)
-    keep.scatter_(1, idx.where(idx >= 0, V), True)
-    return keep[:, :V]
-
-def _entropies(x:Tensor, keep:Tensor|None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(logsumexp, entropy) of softmax(x) over all of V and over the kept set, for x [c, V]; keep None = all of V.
-    One softmax serves both: with y = x − lse and p = exp(y), H_full = −Σ p·y, and over the kept set K with mass
-    z = Σ_K p, lse_K = lse + log z and H_K = log z − Σ_K p·y / z. Centring on lse keeps the sums small (less float32
-    cancellation than lse − Σ p·x), and no masked copy of x is made. Exact unless the kept set's whole mass underflows
-    (z < 1e-38 in float32), which cannot happen for a kept set that contains the argmax."""
-    lse = x.logsumexp(-1)
-    y = x - lse[:, None]
-    p = y.exp()
-    py = p * y
-    h = -py.sum(-1)
-    if keep is None: return lse, h, lse, h
-    z = torch.where(keep, p, 0.).sum(-1)
-    logz = z.log()
-    return lse, h, lse + logz, logz - torch.where(keep, py, 0.).sum(-1) / z
-
 def token_stats(
     x:Tensor,              # [c, V] float32 logits / temperature
     tokens:Tensor,         # [c] realised tokens
     top_p:float=1.0,
     top_k:int=0,
-    support:Tensor|None=None,  # [c, K] kept-set indices (−1 padded) to use instead of truncating x
+    support:Tensor|None=None,  # [c, K] kept-set token ids (−1 padded) to use instead of truncating x
     compute_rb:bool=True,
     return_support:bool=False,
 ) -> dict:
     "log q of the realised tokens, RB and full-vocab entropies, and the kept sets, for one chunk of positions."
     c, V = x.shape
-    truncated = support is not None or top_p < 1 or top_k > 0
-    keep = None
-    if truncated:
-        keep = _support_mask(support, V) if support is not None else sampling_mask(x.detach(), 1.0, top_p, top_k)
-        rows = torch.arange(c, device=x.device)
-        outside = ~keep[rows, tokens]
-        keep[rows, tokens] = True           # the realised token is never excluded
-    lse_full, h_full, lse, h = _entropies(x, keep)
-    x_y = x.gather(1, tokens[:, None]).squeeze(1)
-    out = dict(logq=x_y - lse, outside=outside if truncated else torch.zeros(c, dtype=torch.bool, device=x.device))
-    if compute_rb: out.update(rb=h, full=h_full, logp_full=(x_y - lse_full).detach())
-    if return_support:
-        out["support"] = _support_indices(keep, x.detach()) if truncated else None
+    lse, h_full = _FullStats.apply(x, 1.0, 64) if compute_rb else (x.logsumexp(-1), None)
+    x_y = x.gather(1, tokens[:, None])[:, 0]
+    lse_s, h, outside, idx = lse, h_full, torch.zeros(c, dtype=torch.bool, device=x.device), None
+    if support is not None or top_p < 1 or top_k > 0:
+        idx = support if support is not None else _kept_indices(x.detach(), top_p, top_k, lse.detach())
+        outside = ~(idx == tokens[:, None]).any(-1)
+        if outside.any(): idx = torch.cat([idx, tokens.masked_fill(~outside, -1)[:, None]], 1)   # never excluded
+        valid = idx >= 0
+        y = x.gather(1, idx.clamp(min=0)) - lse[:, None]                 # [c, K] log p of the kept tokens
+        e = torch.where(valid, y.exp(), 0.)
+        z = e.sum(-1)
+        logz = z.log()
+        lse_s, h = lse + logz, logz - torch.where(valid, e * y, 0.).sum(-1) / z
+    out = dict(logq=x_y - lse_s, outside=outside)
+    if compute_rb: out.update(rb=h, full=h_full, logp_full=(x_y - lse).detach())
+    if return_support: out["support"] = idx
     return out
 
 # %% ../nbs/00_sequence_processor.ipynb #ba79b783
@@ -241,7 +216,8 @@ class _HeadScorer(nn.Module):
             sl = slice(s, s + cfg.head_chunk_size)
             def score(hc, sl=sl):
                 logits = _final_logits(self.model, head(hc))
-                x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / cfg.temperature   # float32, or float64
+                x = logits.to(torch.promote_types(logits.dtype, torch.float32))   # float32, or float64
+                x = x.div_(cfg.temperature) if cfg.temperature != 1 else x         # in place: one [c, V] tensor
                 st = token_stats(x, tokens[sl], cfg.top_p, cfg.top_k, None if support is None else support[sl],
                                  compute_rb, return_support)
                 return st

@@ -30,9 +30,9 @@ def tied(N, V, seed=0, step=0.25):
     return (lm_like(N, V, seed) / step).round() * step
 
 
-@pytest.fixture(params=[8, 1024], ids=["window8", "window1024"])
+@pytest.fixture(params=[2, rb._WINDOW], ids=["window2", "window-default"])
 def window(request, monkeypatch):
-    "Run with the real first window and with a tiny one, so the widening retries run on every row."
+    "Run with the real first window and with a tiny one, so the widening retries run on nearly every row."
     monkeypatch.setattr(rb, "_WINDOW", request.param)
     return request.param
 
@@ -49,6 +49,37 @@ def test_mask_equals_warpers(kw, make, window):
     ref = warped(x, **kw) != -math.inf
     torch.testing.assert_close(sampling_mask(x, **kw, chunk_size=11), ref, rtol=0, atol=0)
     torch.testing.assert_close(naive_sampling_mask(x, **kw), ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kw", [k for k in KNOBS if k.get("top_p", 1) < 1 and not k.get("top_k")], ids=str)
+@pytest.mark.parametrize("make", [lm_like, tied], ids=["random", "ties"])
+def test_mask_exact_tail_on_every_row(kw, make, monkeypatch):
+    "Forcing the exact tail (masked logsumexp below the window) on every row also gives the warpers' set."
+    monkeypatch.setattr(rb, "_Z_RTOL", 1.0)
+    x = make(48, 2000, seed=4)
+    assert torch.equal(sampling_mask(x, **kw, chunk_size=16), warped(x, **kw) != -math.inf)
+
+
+def test_tail_from_lse_alone_is_not_enough(monkeypatch):
+    "Without the exact-tail fallback the float32 logsumexp's rounding moves boundary tokens at top_p 0.999."
+    x, kw = lm_like(48, 2000, seed=4), dict(top_p=0.999)
+    ref = warped(x, **kw) != -math.inf
+    assert torch.equal(sampling_mask(x, **kw), ref)
+    monkeypatch.setattr(rb, "_Z_RTOL", 0.0)
+    assert not torch.equal(sampling_mask(x, **kw), ref)
+
+
+@pytest.mark.parametrize("kw", [k for k in KNOBS if "min_tokens_to_keep" not in k], ids=str)   # generate's default 1
+@pytest.mark.parametrize("make", [lm_like, tied], ids=["random", "ties"])
+def test_kept_indices_list_the_mask(kw, make, window):
+    "The index lists token_stats uses name exactly the tokens of sampling_mask, with or without a known lse."
+    x = make(40, 1500, seed=5) / kw.get("temperature", 1.)
+    mask = sampling_mask(x, top_p=kw.get("top_p", 1.), top_k=kw.get("top_k", 0))
+    for lse in (None, x.logsumexp(-1)):
+        idx = rb._kept_indices(x, kw.get("top_p", 1.), kw.get("top_k", 0), lse, chunk_size=7)
+        assert idx.shape == (40, int(mask.sum(-1).max()))
+        listed = torch.zeros(40, 1501, dtype=torch.bool).scatter(1, idx.where(idx >= 0, 1500), True)[:, :1500]
+        assert torch.equal(listed, mask) and torch.equal((idx >= 0).sum(-1), mask.sum(-1))
 
 
 def test_mask_ties_straddle_boundary():

@@ -6,8 +6,10 @@ import torch
 
 from entropy_grpo.policies import tiny_policy
 from exact import enumerate_entropy, warped_logq
+from entropy_grpo.rb_entropy import sampling_mask
 from entropy_grpo.sequence_processor import (BatchedSequences, GenerationConfig, SequenceProcessor, check_probe_batch,
-                                             hf_generation_config, own_generation_config, to_batched_sequences)
+                                             hf_generation_config, own_generation_config, to_batched_sequences,
+                                             token_stats)
 
 
 def reference_sequence_logprobs(model, bs, temperature, top_p, top_k=0):
@@ -128,6 +130,35 @@ def test_eos_included_and_padding_masked_when_pad_is_eos():
     dirty.attention_masks[...] = 1
     dirty.attention_masks[..., :P] = bs.attention_masks[..., :P]
     torch.testing.assert_close(sp.teacher_force_logprobs(dirty)[0].sequence_logprobs, res.sequence_logprobs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kw", [dict(top_p=0.8), dict(top_k=9), dict(top_p=0.9, top_k=40), dict()], ids=str)
+def test_token_stats_equal_masked_softmax(kw, dtype):
+    "Kept-set lists, log q, RB and full entropies and their gradients against a masked log-softmax over all of V."
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(50, 300, generator=g) * torch.linspace(0.5, 5, 50)[:, None]).to(dtype).requires_grad_(True)
+    tokens = torch.randint(0, 300, (50,), generator=g)                     # many outside the kept sets
+    st = token_stats(x, tokens, **kw, return_support=True)
+    keep = sampling_mask(x.detach(), **kw)
+    outside = ~keep[torch.arange(50), tokens]
+    keep[torch.arange(50), tokens] = True                                  # the realised token is put back in
+    assert torch.equal(st["outside"], outside) and (not kw or outside.any())
+    if kw:
+        sup = st["support"]
+        assert torch.equal(torch.zeros(50, 301, dtype=torch.bool).scatter(1, sup.where(sup >= 0, 300), True)[:, :300], keep)
+    else: assert st["support"] is None
+    logq = x.masked_fill(~keep, -math.inf).log_softmax(-1)
+    q, logp = logq.exp(), x.log_softmax(-1)
+    ref = dict(logq=logq.gather(1, tokens[:, None])[:, 0], rb=-(q * logq.nan_to_num(neginf=0.)).sum(-1),
+               full=-(logp.exp() * logp).sum(-1))
+    for k, v in ref.items(): torch.testing.assert_close(st[k], v)
+    w = torch.randn(3, 50, generator=g, dtype=dtype)
+    got = torch.autograd.grad(sum((wi * st[k]).sum() for wi, k in zip(w, ref)), x)[0]
+    want = torch.autograd.grad(sum((wi * ref[k]).sum() for wi, k in zip(w, ref)), x)[0]
+    torch.testing.assert_close(got, want)
+    again = token_stats(x, tokens, **kw, support=st["support"]) if kw else st    # fixed support: the same numbers
+    torch.testing.assert_close(again["logq"], st["logq"]); torch.testing.assert_close(again["rb"], st["rb"])
 
 
 def test_rb_requires_grad_controls_graph(tiny):
