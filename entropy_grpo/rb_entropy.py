@@ -110,7 +110,8 @@ def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=N
 def _tail(xr:Tensor, v:Tensor, e:Tensor, cand:Tensor, lse:Tensor|None, thresh:float) -> Tensor:
     """Mass at or below each window rank (× e^{−max}) [r, W], float64. lse None: the window holds every candidate.
     Else Z − the mass above, with Z from the float32 lse (relative error ~|lse|·6e-8); rows where some rank's tail is
-    that close to thresh·Z get the exact tail instead: the logsumexp of the logits below the window + the window's."""
+    within _Z_RTOL·(1 + |lse|/8)·Z of thresh·Z get the exact tail instead: the logsumexp of the logits below the
+    window + the window's."""
     rev = e.flip(-1).cumsum(-1).flip(-1)                                      # window mass at or below each rank
     if lse is None: return rev
     Z = (lse[:, None] - v[:, :1]).double().exp()

@@ -179,7 +179,7 @@ def token_stats(
     return_support:bool=False,
 ) -> dict:
     "log q of the realised tokens, RB and full-vocab entropies, and the kept sets, for one chunk of positions."
-    c, V = x.shape
+    c = x.shape[0]
     lse, h_full = _FullStats.apply(x, 1.0, 64) if compute_rb else (x.logsumexp(-1), None)
     x_y = x.gather(1, tokens[:, None])[:, 0]
     lse_s, h, outside, idx = lse, h_full, torch.zeros(c, dtype=torch.bool, device=x.device), None

@@ -30,3 +30,8 @@ def enumerate_entropy(model, prompt_ids, eos, V, max_new, temperature, top_p):
                 stack.append((ids + [y], lqy))
     assert abs(total - 1) < 1e-5, total
     return H
+
+
+def listed_mask(idx, V):
+    "Bool [c, V] of −1-padded token-id lists idx [c, K]."
+    return torch.zeros(idx.shape[0], V + 1, dtype=torch.bool).scatter(1, idx.where(idx >= 0, V), True)[:, :V]

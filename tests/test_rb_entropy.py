@@ -6,6 +6,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import entropy_grpo.rb_entropy as rb
+from exact import listed_mask
 from entropy_grpo.rb_entropy import (naive_rb_entropy, naive_sampling_logprobs, naive_sampling_mask, rb_entropy,
                                      sampling_logprobs, sampling_mask, truncated_log_softmax)
 
@@ -78,8 +79,7 @@ def test_kept_indices_list_the_mask(kw, make, window):
     for lse in (None, x.logsumexp(-1)):
         idx = rb._kept_indices(x, kw.get("top_p", 1.), kw.get("top_k", 0), lse, chunk_size=7)
         assert idx.shape == (40, int(mask.sum(-1).max()))
-        listed = torch.zeros(40, 1501, dtype=torch.bool).scatter(1, idx.where(idx >= 0, 1500), True)[:, :1500]
-        assert torch.equal(listed, mask) and torch.equal((idx >= 0).sum(-1), mask.sum(-1))
+        assert torch.equal(listed_mask(idx, 1500), mask) and torch.equal((idx >= 0).sum(-1), mask.sum(-1))
 
 
 def test_mask_ties_straddle_boundary():
