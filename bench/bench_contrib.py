@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, get_peft_model
 
-from entropy_grpo.alignment import build_pool, mixed_records, replay_batch, sample_contributions
+from entropy_grpo.contributions import sample_contributions
+from entropy_grpo.pools import build_pool, mixed_records, replay_batch
 from entropy_grpo.dr_grpo import policy_gradient_backward
 from entropy_grpo.policies import load_policy, tiny_policy
 from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor

@@ -14,7 +14,8 @@ import argparse, platform, statistics
 import torch
 
 from entropy_grpo.delta_entropy_is import DeltaEntropyIS
-from entropy_grpo.dr_grpo import TrainConfig, apply_lora, group_advantages, trainable_parameters
+from entropy_grpo.dr_grpo import group_advantages
+from entropy_grpo.training import TrainConfig, apply_lora, trainable_parameters
 from entropy_grpo.policies import load_policy
 from entropy_grpo.probes import BatchConfig, ProbeComponents
 from entropy_grpo.sequence_processor import GenerationConfig

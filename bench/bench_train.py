@@ -10,7 +10,7 @@ import argparse, platform, statistics
 
 import torch
 
-from entropy_grpo.dr_grpo import TrainConfig, train
+from entropy_grpo.training import TrainConfig, train
 from entropy_grpo.policies import load_policy
 from entropy_grpo.sequence_processor import GenerationConfig
 from entropy_grpo.tasks import ArithmeticTask

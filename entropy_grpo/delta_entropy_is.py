@@ -6,18 +6,19 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/delta_entropy_is.html.md"""
 
 # %% ../nbs/02_delta_entropy_is.ipynb #20fafd77
 from __future__ import annotations
-import copy, logging, math, random, time, warnings
+import copy, logging, random, time, warnings
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .dr_grpo import all_reduce_sum, policy_gradient_backward, world_size
-from .sequence_processor import (BatchedSequences, GenerationConfig, SequenceProcessor, check_probe_batch,
-                                             to_batched_sequences)
+from .dist import all_reduce_counts, all_reduce_extreme, all_reduce_sum, world_size
+from .dr_grpo import check_length_norm, policy_gradient_backward
+from .sequence_processor import GenerationConfig, SequenceProcessor, as_batched_sequences
+from .utils import check_choice
 
 # %% auto #0
-__all__ = ['IMPORTANCE_DEFAULTS', 'TrainingState', 'DeltaEntropyIS', 'all_reduce_sum_int']
+__all__ = ['IMPORTANCE_DEFAULTS', 'TrainingState', 'importance_config', 'DeltaEntropyIS']
 
 # %% ../nbs/02_delta_entropy_is.ipynb #7431529c
 class TrainingState:
@@ -46,30 +47,36 @@ class TrainingState:
         random.setstate(self.rng[2]); np.random.set_state(self.rng[3])
 
 # %% ../nbs/02_delta_entropy_is.ipynb #e55e7799
-def _as_sequences(batch, name) -> BatchedSequences:
-    if isinstance(batch, BatchedSequences): seqs = batch
-    elif isinstance(batch, dict): seqs = to_batched_sequences(batch)
-    else: raise ValueError(f"{name}: expected a probe batch dict or BatchedSequences, got {type(batch).__name__}")
-    if seqs.sequences.numel() == 0 or seqs.gen_lens.sum() == 0:
-        raise ValueError(f"{name} is empty: shape {seqs.shape}, {int(seqs.gen_lens.sum())} completion tokens")
-    return seqs
-
 IMPORTANCE_DEFAULTS = dict(
-    support="sampling",     # weights from the truncated q ("sampling") or the full-vocabulary p ("full")
+    weights="sampling",     # importance weights from the truncated q ("sampling") or the full-vocabulary p ("full")
     entropy_mode="rb",      # "rb": Rao–Blackwellised sums; "naive": realised surprisal −log q(Y)
     report_per_token=False, # also Σ w·S / Σ w·L
     min_ess_frac=0.5,       # ESS / |E| below this -> a warning in the result
     lr=None,                # use this learning rate for the probe step (restored afterwards)
-    length_norm="max_new_tokens", # the update loss normalisation (nb 03)
+    length_norm="max_len",  # the update loss normalisation (dr_grpo)
     clip_eps=0.2,           # inactive at ratio 1, kept for the same call as training
 )
 
+def importance_config(cfg:dict|None=None) -> dict:
+    "IMPORTANCE_DEFAULTS updated by `cfg` and checked; the old key 'support' is read as 'weights' (one release)."
+    cfg = dict(cfg or {})
+    if "support" in cfg:
+        warnings.warn("cfg_importance['support'] is renamed 'weights'", DeprecationWarning, stacklevel=3)
+        cfg["weights"] = cfg.pop("support")
+    unknown = set(cfg) - set(IMPORTANCE_DEFAULTS)
+    if unknown: raise ValueError(f"cfg_importance has unknown keys {sorted(unknown)}; allowed: {sorted(IMPORTANCE_DEFAULTS)}")
+    cfg = {**IMPORTANCE_DEFAULTS, **cfg}
+    check_choice("weights", cfg["weights"], ("sampling", "full"))
+    check_choice("entropy_mode", cfg["entropy_mode"], ("rb", "naive"))
+    cfg["length_norm"] = check_length_norm(cfg["length_norm"])
+    return cfg
+
 # %% ../nbs/02_delta_entropy_is.ipynb #5e6f46a1
-def _score_E(sp, E, mode, support_kind, support=None, return_support=False, params_override=None):
-    res, diag = sp.teacher_force_logprobs(E, with_grad=False, compute_rb=True, support=support,
-                                          return_support=return_support, params_override=params_override)
+def _score_E(sp, E, mode, weights, support=None, return_support=False):
+    "Per-sequence log q (or log p), entropy sum S, length L and outside flags of E; the kept sets when asked."
+    res, diag = sp.teacher_force_logprobs(E, compute_rb=True, support=support, return_support=return_support)
     m = res.gen_mask
-    lp = res.full_logprobs if support_kind == "full" else res.logprobs
+    lp = res.full_logprobs if weights == "full" else res.logprobs
     S = (res.rb_entropies * m).sum(-1) if mode == "rb" else -(res.logprobs * m).sum(-1)
     return dict(logq=(lp * m).sum(-1).flatten().double(), S=S.flatten().double(), L=m.sum(-1).flatten().double(),
                 out=(res.outside_support & m).flatten(0, 1), n_tok=int(m.sum()), support=diag.get("support"))
@@ -77,8 +84,7 @@ def _score_E(sp, E, mode, support_kind, support=None, return_support=False, para
 def _snis(logw:Tensor, S:Tensor, L:Tensor, zero:Tensor) -> dict:
     "Global SNIS sums: weights exp(log w − global max), zero where q_θ⁺(Y) = 0; every sum all-reduced."
     logw = logw.masked_fill(zero, float("-inf"))
-    mx = logw.max() if logw.numel() else torch.tensor(float("-inf"), dtype=logw.dtype)
-    if world_size() > 1: torch.distributed.all_reduce(mx, op=torch.distributed.ReduceOp.MAX)
+    mx = all_reduce_extreme(logw.max() if logw.numel() else torch.tensor(float("-inf"), dtype=logw.dtype), "max")
     w = torch.exp(logw - mx).masked_fill(zero, 0.0)
     sums = torch.stack([w.sum(), (w * w).sum(), (w * S).sum(), (w * L).sum()])
     all_reduce_sum([sums])
@@ -100,75 +106,74 @@ class DeltaEntropyIS:
         self.logger = logger or logging.getLogger(__name__)
         self._sp = sequence_processor
 
-    def sequence_processor(self, model=None) -> SequenceProcessor:
-        "The given SequenceProcessor (one tokenizer, one config), or one built lazily for `model`."
-        model = model if model is not None else self.model
-        if self._sp is not None and self._sp.model is model: return self._sp
+    def sequence_processor(self) -> SequenceProcessor:
+        "The given SequenceProcessor, or one built once for `model` (one tokenizer, one config)."
+        if self._sp is not None and self._sp.model is self.model: return self._sp
         tok = self.tokenizer if self.tokenizer is not None else getattr(self._sp, "tokenizer", None)
         if tok is None: raise ValueError("DeltaEntropyIS needs sequence_processor= or tokenizer= to score sequences")
-        self._sp = SequenceProcessor(model, tok, self.config)
+        self._sp = SequenceProcessor(self.model, tok, self.config)
         return self._sp
 
     def _log(self, msg, *args):
         (self.logger.info if hasattr(self.logger, "info") else self.logger)(msg % args if args else msg)
 
-    def entropy_change_two_batch(
+    def entropy_change(
         self,
-        model,                      # the policy (the one the optimizer steps)
         E_batch,                    # probe batch or BatchedSequences: the evaluation sequences (this rank's share)
         U_batch:dict,               # probe batch with advantages: the update batch (this rank's share)
-        optimizer:torch.optim.Optimizer,
-        cfg_importance:dict|None=None,  # keys of IMPORTANCE_DEFAULTS
+        optimizer:torch.optim.Optimizer,  # steps self.model's parameters
+        cfg_importance:dict|None=None,    # keys of IMPORTANCE_DEFAULTS
         scheduler=None,             # LR scheduler to snapshot/restore with the optimizer
     )->dict:
         "H on E before and after one real Dr.GRPO step on U (SNIS on the same E), everything restored afterwards."
-        cfg = {**IMPORTANCE_DEFAULTS, **(cfg_importance or {})}
-        unknown = set(cfg) - set(IMPORTANCE_DEFAULTS)
-        if unknown: raise ValueError(f"cfg_importance has unknown keys {sorted(unknown)}; allowed: {sorted(IMPORTANCE_DEFAULTS)}")
-        if cfg["support"] not in ("sampling", "full"): raise ValueError(f"support={cfg['support']!r}: expected 'sampling' or 'full'")
-        if cfg["entropy_mode"] not in ("rb", "naive"): raise ValueError(f"entropy_mode={cfg['entropy_mode']!r}: expected 'rb' or 'naive'")
-        sp = self.sequence_processor(model)
-        E = _as_sequences(E_batch, "E_batch")
+        cfg = importance_config(cfg_importance)
+        E = as_batched_sequences(E_batch, "E_batch")
         if not isinstance(U_batch, dict): raise ValueError(f"U_batch: expected a probe batch dict with advantages, got {type(U_batch).__name__}")
-        U = _as_sequences(U_batch, "U_batch")
-        adv = U_batch["advantages"]
+        U, adv = as_batched_sequences(U_batch, "U_batch"), U_batch["advantages"]
         notes, t0 = [], time.perf_counter()
-        n_adv = torch.tensor([float((adv != 0).sum())], dtype=torch.float64)
-        if float(all_reduce_sum([n_adv])[0][0]) == 0:
+        if float(all_reduce_sum([torch.tensor([float((adv != 0).sum())], dtype=torch.float64)])[0][0]) == 0:
             notes.append("all advantages are zero: the policy-gradient step is zero (only weight decay moves θ)")
-        state = TrainingState(model, optimizer, scheduler)
-        t_snap = time.perf_counter() - t0
-        timings = {}
-        try:
-            t = time.perf_counter()
-            before = _score_E(sp, E, cfg["entropy_mode"], cfg["support"], return_support=True)
-            timings["score_theta"] = time.perf_counter() - t
-            t = time.perf_counter()
-            if cfg["lr"] is not None:
-                for g in optimizer.param_groups: g["lr"] = cfg["lr"]
-            optimizer.zero_grad(set_to_none=True)
-            upd = policy_gradient_backward(sp, U, adv, length_norm=cfg["length_norm"], clip_eps=cfg["clip_eps"])
-            optimizer.step()
-            timings["update"] = time.perf_counter() - t
-            t = time.perf_counter()
-            after = _score_E(sp, E, cfg["entropy_mode"], cfg["support"], return_support=True)
-            truncated = before["support"] is not None
-            fixed = _score_E(sp, E, cfg["entropy_mode"], cfg["support"], support=before["support"]) if truncated else after
-            timings["score_theta_plus"] = time.perf_counter() - t
-            out = self._combine(before, after, fixed, cfg, notes)
-            out.update(update_loss=upd["loss"], n_U_tokens=upd["n_tokens"],
-                       n_support_changed_positions=_changed_positions(before["support"], after["support"]))
-            all_reduce_sum_int(out, ["n_support_changed_positions"])
+        state = TrainingState(self.model, optimizer, scheduler)
+        t_snap, timings = time.perf_counter() - t0, {}
+        try: out = self._measure(E, U, adv, optimizer, cfg, notes, timings)
         finally:
             t = time.perf_counter()
             state.restore()
             t_restore = time.perf_counter() - t
-        out.update(seconds=time.perf_counter() - t0, seconds_snapshot_restore=t_snap + t_restore, **{f"seconds_{k}": v for k, v in timings.items()})
-        self._log("Original entropy (%s): %.6f", cfg["entropy_mode"].upper(), out["H_orig"])
-        self._log("Updated entropy (%s, SNIS): %.6f  (fixed support %.6f)", cfg["entropy_mode"].upper(), out["H_upd"], out["H_upd_fixed_support"])
+        out.update(seconds=time.perf_counter() - t0, seconds_snapshot_restore=t_snap + t_restore,
+                   **{f"seconds_{k}": v for k, v in timings.items()})
+        mode = cfg["entropy_mode"].upper()
+        self._log("Original entropy (%s): %.6f", mode, out["H_orig"])
+        self._log("Updated entropy (%s, SNIS): %.6f  (fixed support %.6f)", mode, out["H_upd"], out["H_upd_fixed_support"])
         self._log("ESS: %.1f / %d; log w in [%.3g, %.3g]; %d sequences with weight 0", out["ess"], out["n_E"],
                   out["logw_min"], out["logw_max"], out["n_zero_weight_sequences"])
         return out
+
+    def entropy_change_two_batch(self, model, E_batch, U_batch:dict, optimizer, cfg_importance:dict|None=None,
+                                 scheduler=None) -> dict:
+        "`entropy_change` with the policy passed again (the original signature); `model` must be the constructor's."
+        if model is not self.model: raise ValueError("model is not the one this DeltaEntropyIS was built for")
+        return self.entropy_change(E_batch, U_batch, optimizer, cfg_importance, scheduler)
+
+    def _measure(self, E, U, adv, optimizer, cfg, notes, timings) -> dict:
+        "Score E at θ, take the step on U, score E at θ⁺ (and on θ's kept sets), combine (state restored by the caller)."
+        sp, t = self.sequence_processor(), time.perf_counter()
+        before = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], return_support=True)
+        timings["score_theta"], t = time.perf_counter() - t, time.perf_counter()
+        if cfg["lr"] is not None:
+            for g in optimizer.param_groups: g["lr"] = cfg["lr"]
+        optimizer.zero_grad(set_to_none=True)
+        upd = policy_gradient_backward(sp, U, adv, length_norm=cfg["length_norm"], clip_eps=cfg["clip_eps"])
+        optimizer.step()
+        timings["update"], t = time.perf_counter() - t, time.perf_counter()
+        after = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], return_support=True)
+        truncated = before["support"] is not None
+        fixed = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], support=before["support"]) if truncated else after
+        timings["score_theta_plus"] = time.perf_counter() - t
+        out = self._combine(before, after, fixed, cfg, notes)
+        out.update(update_loss=upd["loss"], n_U_tokens=upd["n_tokens"],
+                   n_support_changed_positions=_changed_positions(before["support"], after["support"]))
+        return all_reduce_counts(out, ["n_support_changed_positions"])
 
     def _combine(self, before, after, fixed, cfg, notes) -> dict:
         "Global H_orig, H_upd (true and fixed-support), ESS and weight diagnostics from per-sequence quantities."
@@ -187,8 +192,7 @@ class DeltaEntropyIS:
         finite = logw[~zero]
         stats = torch.stack([finite.sum(), torch.tensor(float(finite.numel()), dtype=torch.float64), zero.sum().double()])
         all_reduce_sum([stats])
-        lmin = finite.min() if finite.numel() else torch.tensor(float("inf"), dtype=torch.float64)
-        if world_size() > 1: torch.distributed.all_reduce(lmin, op=torch.distributed.ReduceOp.MIN)
+        lmin = all_reduce_extreme(finite.min() if finite.numel() else torch.tensor(float("inf"), dtype=torch.float64), "min")
         ess = float(true["sw"] ** 2 / true["sw2"])
         if ess < cfg["min_ess_frac"] * n_E:
             notes.append(f"ESS {ess:.1f} is below min_ess_frac={cfg['min_ess_frac']} of |E|={int(n_E)}: the SNIS estimate is unreliable")
@@ -199,18 +203,10 @@ class DeltaEntropyIS:
                    logw_max=float(true["max"]), logw_min=float(lmin), logw_mean=float(stats[0] / max(float(stats[1]), 1)),
                    sum_weights=float(true["sw"]), n_zero_weight_sequences=int(stats[2]),
                    frac_tokens_left_support=n_left / n_tok, n_tokens_outside_support_at_theta=int(n_round),
-                   entropy_mode=cfg["entropy_mode"], support=cfg["support"], notes=notes)
+                   entropy_mode=cfg["entropy_mode"], weights=cfg["weights"], notes=notes)
         if cfg["report_per_token"]:
             out.update(H_orig_tok=sumS / sumL, H_upd_tok=float(true["swS"] / true["swL"]),
                        H_upd_fixed_support_tok=float(fix["swS"] / fix["swL"]))
             out.update(deltaH_true_tok=out["H_upd_tok"] - out["H_orig_tok"],
                        deltaH_true_fixed_support_tok=out["H_upd_fixed_support_tok"] - out["H_orig_tok"])
         return out
-
-def all_reduce_sum_int(d:dict, keys:list):
-    "Sum integer entries of `d` across ranks, in place."
-    if world_size() == 1: return d
-    t = torch.tensor([float(d[k]) for k in keys], dtype=torch.float64)
-    all_reduce_sum([t])
-    d.update({k: int(v) for k, v in zip(keys, t.tolist())})
-    return d

@@ -1,4 +1,4 @@
-"""The one policy-gradient objective of the package — training loss, the probes' Y-loss and the true-ΔH update step — and the one training loop that Phase 2 and Phase 3 share.
+"""The one policy-gradient objective of the package — training loss, the probes' Y-loss and the true-ΔH update step — and its streamed backward.
 
 Docs: https://entropy-grpo.github.io/entropy_grpo/dr_grpo.html.md"""
 
@@ -6,26 +6,22 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/dr_grpo.html.md"""
 
 # %% ../nbs/03_dr_grpo.ipynb #956258c1
 from __future__ import annotations
-import copy, json, logging, math, random, shutil, time, warnings
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+import warnings
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
-from .sequence_processor import BatchedSequences, GenerationConfig, LogprobResults, SequenceProcessor
+from .dist import all_reduce_sum, world_size
+from .sequence_processor import BatchedSequences, SequenceProcessor
+from .utils import check_choice, check_range
 
 # %% auto #0
-__all__ = ['log', 'LENGTH_NORMS', 'SCHEDULERS', 'SCALE_REWARDS', 'FLAGS', 'group_advantages', 'length_normaliser', 'dr_grpo_loss',
-           'policy_gradient_backward', 'world_size', 'rank', 'all_reduce_sum', 'TrainConfig', 'step_problems',
-           'shard_slice', 'apply_lora', 'trainable_parameters', 'save_checkpoint', 'load_checkpoint',
-           'latest_checkpoint', 'StepContext', 'TrainResult', 'train']
-
-# %% ../nbs/03_dr_grpo.ipynb #77b29d2d
-log = logging.getLogger(__name__)
+__all__ = ['SCALE_REWARDS', 'LENGTH_NORMS', 'group_advantages', 'check_length_norm', 'length_normaliser', 'dr_grpo_loss',
+           'policy_gradient_backward']
 
 # %% ../nbs/03_dr_grpo.ipynb #4959fdf6
+SCALE_REWARDS = ("none", "group", "batch")   # TRL's scale_rewards
+
 def group_advantages(
     rewards:Tensor,      # [B, G]
     scale:str="none",    # "none" (Dr.GRPO) | "group" | "batch" (TRL's scale_rewards)
@@ -33,7 +29,7 @@ def group_advantages(
 )->Tensor:               # [B, G] reward minus its group mean (optionally / std)
     "Group-centred advantages; identical rewards in a group give exactly zero."
     if rewards.dim() != 2: raise ValueError(f"rewards: expected shape [B, G], got {tuple(rewards.shape)}")
-    if scale not in ("none", "group", "batch"): raise ValueError(f"scale={scale!r}: expected 'none', 'group' or 'batch'")
+    check_choice("scale", scale, SCALE_REWARDS)
     if not torch.isfinite(rewards).all(): raise ValueError("rewards contain NaN or inf")
     B, G = rewards.shape
     if G == 1:
@@ -45,18 +41,25 @@ def group_advantages(
     return adv
 
 # %% ../nbs/03_dr_grpo.ipynb #a2fe432c
-LENGTH_NORMS = ("max_new_tokens", "realized", "sample")
+LENGTH_NORMS = ("max_len", "realized", "sample")
+
+def check_length_norm(length_norm:str) -> str:
+    "The canonical name of a `length_norm` choice ('max_new_tokens' is the old name of 'max_len', kept one release)."
+    if length_norm == "max_new_tokens":
+        warnings.warn("length_norm='max_new_tokens' is renamed 'max_len'", DeprecationWarning, stacklevel=3)
+        return "max_len"
+    return check_choice("length_norm", length_norm, LENGTH_NORMS)
 
 def length_normaliser(
     gen_mask:Tensor,            # [B, G, T] bool
-    max_len:int|None,           # L_max for "max_new_tokens"
-    length_norm:str="max_new_tokens",
+    max_len:int|None,           # L_max for "max_len"
+    length_norm:str="max_len",
 )->Tensor:                      # [B, G] the L that divides each completion's token sum (times G)
     "Per-completion length normaliser: L_max, the group's longest completion, or the completion's own length."
-    if length_norm not in LENGTH_NORMS: raise ValueError(f"length_norm={length_norm!r}: expected one of {LENGTH_NORMS}")
+    length_norm = check_length_norm(length_norm)
     lens = gen_mask.sum(-1).to(torch.float32)
-    if length_norm == "max_new_tokens":
-        if not max_len or max_len < 1: raise ValueError(f"max_len={max_len!r}: expected L_max >= 1 for length_norm='max_new_tokens'")
+    if length_norm == "max_len":
+        check_range("max_len", max_len, 1, integer=True)
         return torch.full_like(lens, float(max_len))
     if length_norm == "realized": return lens.amax(1, keepdim=True).clamp_min(1).expand_as(lens)
     return lens.clamp_min(1)
@@ -71,16 +74,16 @@ def dr_grpo_loss(
     old_logp:Tensor|None,       # [B, G, T] log q at sampling time; None -> new_logp.detach() (ratio ≡ 1)
     advantages:Tensor,          # [B, G]
     gen_mask:Tensor,            # [B, G, T] bool
-    max_len:int|None=None,      # L_max (max_new_tokens) for length_norm="max_new_tokens"
+    max_len:int|None=None,      # L_max for length_norm="max_len"
     clip_eps:float|tuple=0.2,   # ε or (ε_low, ε_high)
     beta:float=0.0,             # KL coefficient (k3 estimator), >= 0
     ref_logp:Tensor|None=None,  # [B, G, T] reference log q; needed when beta > 0
-    length_norm:str="max_new_tokens",
+    length_norm:str="max_len",
     num_prompts:int|None=None,  # global number of prompts the loss is averaged over; default B
     return_stats:bool=False,    # also return sums for clip fraction and KL (global sums, reduce them yourself)
 ):
     "Dr.GRPO surrogate: token sums per prompt over G·L, averaged over prompts; the package's only policy-gradient loss."
-    if beta < 0: raise ValueError(f"beta={beta!r}: expected beta >= 0")
+    check_range("beta", beta, 0)
     lo, hi = _eps_pair(clip_eps)
     B, G, T = new_logp.shape
     if advantages.shape != (B, G): raise ValueError(f"advantages: expected shape {(B, G)}, got {tuple(advantages.shape)}")
@@ -111,7 +114,7 @@ def policy_gradient_backward(
     old_logp:Tensor|None=None,  # [B, G, T_gen] log q at sampling time; None -> ratio ≡ 1
     *,
     max_len:int|None=None,      # default sp.config.max_new_tokens
-    length_norm:str="max_new_tokens",
+    length_norm:str="max_len",
     clip_eps:float|tuple=0.2,
     beta:float=0.0,
     ref_logp:Tensor|None=None,  # [B, G, T_gen]
@@ -149,367 +152,3 @@ def policy_gradient_backward(
     out = dict(loss=float(total[0]), n_tokens=int(total[1]), clip_frac=float(total[2] / max(total[1], 1)))
     if beta > 0: out["kl"] = float(total[3] / max(total[1], 1))
     return out
-
-# %% ../nbs/03_dr_grpo.ipynb #80c4252e
-def world_size() -> int:
-    "Number of processes (1 when torch.distributed is not initialised)."
-    d = torch.distributed
-    return d.get_world_size() if d.is_available() and d.is_initialized() else 1
-
-def rank() -> int:
-    d = torch.distributed
-    return d.get_rank() if d.is_available() and d.is_initialized() else 0
-
-def all_reduce_sum(tensors:list[Tensor]) -> list[Tensor]:
-    "Sum each tensor across ranks, in place (flattened into one buffer, one collective); identity on one process."
-    if world_size() == 1 or not tensors: return tensors
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
-    torch.distributed.all_reduce(flat)
-    o = 0
-    for t in tensors:
-        t.copy_(flat[o:o + t.numel()].view_as(t).to(t.dtype)); o += t.numel()
-    return tensors
-
-# %% ../nbs/03_dr_grpo.ipynb #6d1a6683
-SCHEDULERS = ("constant", "linear", "cosine")
-SCALE_REWARDS = ("none", "group", "batch")
-
-def _check_int(name, v, lo):
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo: raise ValueError(f"{name}={v!r}: expected an integer >= {lo}")
-
-def _check_range(name, v, lo, hi=math.inf, lo_open=False, hi_open=True, what="a number"):
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-    if not ok:
-        lb, hb = ("(" if lo_open else "["), (")" if hi_open else "]")
-        raise ValueError(f"{name}={v!r}: expected {what} in {lb}{lo}, {hi}{hb}")
-
-@dataclass
-class TrainConfig:
-    "Everything `train` needs besides the model, the task and the output folder."
-    steps:int=20                     # generated batches (Phase 2: 20, Phase 3: 200); each gets num_iterations optimizer steps
-    prompts_per_step:int=4           # global prompts per step, all ranks together (Phase 3: 43)
-    num_generations:int|None=None    # G completions per prompt; None -> generation.num_generations
-    lr:float|None=None               # AdamW lr; None -> 7e-5 with LoRA, 1e-5 for full fine-tuning
-    weight_decay:float=0.0           # AdamW decoupled weight decay (TRL/HF default)
-    adam_beta1:float=0.9
-    adam_beta2:float=0.999
-    adam_epsilon:float=1e-8
-    lr_scheduler:str="constant"      # "constant" | "linear" | "cosine" decay after warmup (transformers' schedules)
-    warmup_steps:int=0               # linear warmup, in optimizer steps
-    max_grad_norm:float|None=1.0     # clip the global gradient norm (TRL default); None = no clipping (still logged)
-    beta:float=0.0                   # KL coefficient (k3 to the reference policy); 0 = no reference pass
-    clip_eps:float|tuple=0.2         # PPO ε, or (ε_low, ε_high)
-    length_norm:str="max_new_tokens" # "max_new_tokens" (Dr.GRPO: G·L_max) | "realized" | "sample"
-    scale_rewards:str="none"         # "none" (Dr.GRPO) | "group" | "batch" (global batch std)
-    num_iterations:int=1             # μ: optimizer steps per generated batch; 1 -> ratio ≡ 1 (old log q not needed)
-    prompts_per_microbatch:int|None=None  # prompts per backward microbatch; None -> tf_batch_size // G
-    hint:bool|str=False              # prompts carry the task's lenient-grader hint (or this text)
-    lora_r:int|None=None             # LoRA rank; None = full fine-tuning of every parameter that requires grad
-    lora_alpha:float=32.0            # LoRA scale = lora_alpha / lora_r
-    lora_dropout:float=0.0           # > 0 makes the gradient pass differ from the scoring passes
-    lora_target_modules:str|list="all-linear"  # peft `target_modules`
-    checkpoint_every:int=0           # save every k steps and after the last; 0 = after the last only (needs out_dir)
-    seed:int=0                       # prompt order, LoRA init, per-(step, rank) sampling seed
-    arm:str="vanilla"                # name written into every log record (projection arms: "projected", …)
-    generation:GenerationConfig=field(default_factory=GenerationConfig)  # sampling knobs (a dict is converted)
-
-    def __post_init__(self):
-        if isinstance(self.generation, dict): self.generation = GenerationConfig(**self.generation)
-        if not isinstance(self.generation, GenerationConfig):
-            raise ValueError(f"generation={self.generation!r}: expected a GenerationConfig")
-        if self.num_generations is None: self.num_generations = self.generation.num_generations
-        _check_int("num_generations", self.num_generations, 1)
-        self.generation = replace(self.generation, num_generations=self.num_generations)
-        for name, lo in (("steps", 1), ("prompts_per_step", 1), ("num_iterations", 1), ("warmup_steps", 0),
-                         ("checkpoint_every", 0), ("seed", 0)):
-            _check_int(name, getattr(self, name), lo)
-        if self.lora_r is not None: _check_int("lora_r", self.lora_r, 1)
-        if self.prompts_per_microbatch is not None: _check_int("prompts_per_microbatch", self.prompts_per_microbatch, 1)
-        if self.lr is None: self.lr = 7e-5 if self.lora_r is not None else 1e-5
-        _check_range("lr", self.lr, 0, lo_open=True)
-        _check_range("weight_decay", self.weight_decay, 0)
-        _check_range("adam_beta1", self.adam_beta1, 0, 1)
-        _check_range("adam_beta2", self.adam_beta2, 0, 1)
-        _check_range("adam_epsilon", self.adam_epsilon, 0, lo_open=True)
-        if self.max_grad_norm is not None: _check_range("max_grad_norm", self.max_grad_norm, 0, lo_open=True)
-        _check_range("beta", self.beta, 0, what="beta")
-        _eps_pair(self.clip_eps)
-        _check_range("lora_alpha", self.lora_alpha, 0, lo_open=True)
-        _check_range("lora_dropout", self.lora_dropout, 0, 1)
-        if self.lr_scheduler not in SCHEDULERS: raise ValueError(f"lr_scheduler={self.lr_scheduler!r}: expected one of {SCHEDULERS}")
-        if self.length_norm not in LENGTH_NORMS: raise ValueError(f"length_norm={self.length_norm!r}: expected one of {LENGTH_NORMS}")
-        if self.scale_rewards not in SCALE_REWARDS: raise ValueError(f"scale_rewards={self.scale_rewards!r}: expected one of {SCALE_REWARDS}")
-        if not isinstance(self.arm, str) or not self.arm: raise ValueError(f"arm={self.arm!r}: expected a non-empty name")
-
-    def to_dict(self) -> dict:
-        "JSON-ready dict; `TrainConfig(**d)` rebuilds the config."
-        return json.loads(json.dumps(asdict(self)))
-
-# %% ../nbs/03_dr_grpo.ipynb #8cde062b
-def step_problems(
-    task,                # a Task: its pool is shuffled through task.sample
-    step:int,            # 0-based step
-    n:int,               # global prompts per step
-    seed:int=0,
-)->list:                 # the step's n problems, the same on every rank
-    "The global problems of `step`: the next n of a stream of per-epoch seeded shuffles of the pool."
-    size, shuffles, out = len(task), {}, []
-    for pos in range(step * n, (step + 1) * n):
-        epoch, i = divmod(pos, size)
-        if epoch not in shuffles: shuffles[epoch] = task.sample(size, random.Random(seed * 1_000_003 + epoch))
-        out.append(shuffles[epoch][i])
-    return out
-
-def shard_slice(n:int, ws:int|None=None, r:int|None=None) -> slice:
-    "Rank r's contiguous share of n items (sizes differ by at most one); defaults: this process."
-    ws, r = world_size() if ws is None else ws, rank() if r is None else r
-    return slice(r * n // ws, (r + 1) * n // ws)
-
-# %% ../nbs/03_dr_grpo.ipynb #eacbc537
-def apply_lora(model, config:TrainConfig):
-    "Wrap `model` in a peft LoRA adapter with config's r, alpha, dropout and target modules; seeded init."
-    from peft import LoraConfig, PeftModel, get_peft_model
-    if isinstance(model, PeftModel): raise ValueError("model already carries a peft adapter: pass lora_r=None to train it as it is")
-    lc = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                    target_modules=config.lora_target_modules, task_type="CAUSAL_LM")
-    with torch.random.fork_rng(devices=_cuda(model)), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)  # peft 0.21 on transformers 5
-        torch.manual_seed(config.seed)
-        return get_peft_model(model, lc)
-
-def _cuda(model) -> list:
-    d = next(model.parameters()).device
-    return [d] if d.type == "cuda" else []
-
-def trainable_parameters(model) -> dict[str, Tensor]:
-    "{name: parameter} of every parameter that requires grad, in model order."
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-def save_checkpoint(
-    path:str|Path,       # the checkpoint folder to write (replaced if it exists)
-    model, optimizer, scheduler,
-    step:int,            # steps completed
-    config:TrainConfig,
-)->Path:
-    "Trainable weights, optimizer + scheduler state and the run state, written atomically."
-    from safetensors.torch import save_file
-    path = Path(path); tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
-    save_file({n: p.detach().cpu().contiguous() for n, p in trainable_parameters(model).items()}, tmp/"trainable.safetensors")
-    torch.save(dict(optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict()), tmp/"optimizer.pt")
-    (tmp/"state.json").write_text(json.dumps(dict(step=step, world_size=world_size(), config=config.to_dict()), indent=1))
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
-    return path
-
-def load_checkpoint(
-    path:str|Path,
-    model,               # wrapped like the saved one (same trainable parameter names)
-    optimizer=None, scheduler=None,  # restored too when given
-)->dict:                 # the saved state.json: step, world_size, config
-    "Copy a checkpoint's trainable weights into `model` (and its optimizer/scheduler state); return its state."
-    from safetensors.torch import load_file
-    path = Path(path)
-    if not (path/"state.json").exists(): raise FileNotFoundError(f"{path} is not a checkpoint (no state.json)")
-    saved, params = load_file(path/"trainable.safetensors"), trainable_parameters(model)
-    if set(saved) != set(params):
-        diff = sorted(set(saved) ^ set(params))
-        raise ValueError(f"{path}: trainable parameters differ from the model's ({len(diff)} names, e.g. {diff[:3]}); "
-                         "wrap the model as it was when the checkpoint was written (same lora_r / target modules)")
-    with torch.no_grad():
-        for n, p in params.items(): p.copy_(saved[n])
-    if optimizer is not None or scheduler is not None:
-        st = torch.load(path/"optimizer.pt", map_location=next(model.parameters()).device)
-        if optimizer is not None: optimizer.load_state_dict(st["optimizer"])
-        if scheduler is not None: scheduler.load_state_dict(st["scheduler"])
-    return json.loads((path/"state.json").read_text())
-
-def latest_checkpoint(out_dir:str|Path) -> Path|None:
-    "The newest complete checkpoint under out_dir/checkpoints, or None."
-    done = sorted(p for p in (Path(out_dir)/"checkpoints").glob("step_*") if (p/"state.json").exists() and not p.name.endswith(".tmp"))
-    return done[-1] if done else None
-
-# %% ../nbs/03_dr_grpo.ipynb #1b8386b7
-FLAGS = {"hacked": "hack_rate", "gt_pass": "gt_pass_rate", "fmt_ok": "fmt_ok_rate"}  # record key -> log key
-
-@dataclass
-class StepContext:
-    "What callbacks see: the run's objects and this rank's part of the current step."
-    model:torch.nn.Module
-    optimizer:torch.optim.Optimizer
-    scheduler:object
-    sp:SequenceProcessor
-    config:TrainConfig
-    step:int=0
-    iteration:int=0                    # 0 … num_iterations − 1 within the step
-    batch:BatchedSequences|None=None   # [B_local, G, T]
-    problems:list|None=None            # [B_local] Problems
-    records:list|None=None             # [B_local][G] grade dicts
-    rewards:Tensor|None=None           # [B_local, G]
-    advantages:Tensor|None=None        # [B_local, G]
-    logprobs:LogprobResults|None=None  # the no-grad pass: pre-update log q, RB / full entropies
-    backward:dict|None=None            # policy_gradient_backward's result for this iteration
-
-@dataclass
-class TrainResult:
-    model:torch.nn.Module              # the trained model (a peft model when lora_r is set)
-    optimizer:torch.optim.Optimizer
-    scheduler:object
-    records:list                       # this call's log records
-    checkpoint:Path|None               # the last checkpoint written (or resumed from)
-
-def _callbacks(callbacks, name, *args):
-    for cb in callbacks:
-        f = getattr(cb, name, None)
-        if f is not None: f(*args)
-
-def _scheduler(optimizer, cfg:TrainConfig):
-    from transformers import get_scheduler
-    name = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps * cfg.num_iterations)
-
-def _json_default(o):
-    if hasattr(o, "tolist"): return o.tolist()
-    return str(o)
-
-def _check_resume(state:dict, cfg:TrainConfig, path):
-    "The saved config must be this one, except `steps` and `checkpoint_every`."
-    old, new = state["config"], cfg.to_dict()
-    diff = sorted(k for k in set(old) | set(new) if k not in ("steps", "checkpoint_every") and old.get(k) != new.get(k))
-    if diff: raise ValueError(f"{path} was written with another config: {', '.join(f'{k}={old.get(k)!r} (now {new.get(k)!r})' for k in diff)}")
-    if state["step"] >= cfg.steps: raise ValueError(f"{path} has {state['step']} steps done: steps={cfg.steps} leaves nothing to run")
-    if state["world_size"] != world_size():
-        warnings.warn(f"{path} was written with {state['world_size']} processes, now {world_size()}: prompts are sharded "
-                      "differently, so the continuation differs from the original run")
-
-def _prepare_out_dir(out:Path, cfg:TrainConfig, start:int):
-    "config.json, and log.jsonl truncated to the steps before `start` (a fresh run refuses an existing log)."
-    out.mkdir(parents=True, exist_ok=True)
-    logf = out/"log.jsonl"
-    if start == 0 and logf.exists() and logf.stat().st_size:
-        raise ValueError(f"{logf} exists: pass resume_from=latest_checkpoint({str(out)!r}) to continue that run, or a new out_dir")
-    kept = [l for l in logf.read_text().splitlines() if l.strip() and json.loads(l)["step"] < start] if logf.exists() else []
-    logf.write_text("".join(l + "\n" for l in kept))
-    (out/"config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-
-# %% ../nbs/03_dr_grpo.ipynb #74c5b6c3
-def train(
-    model,                           # causal LM (load_policy / tiny_policy / any HF model); wrapped with LoRA when lora_r is set
-    tokenizer,
-    task,                            # Task: .sample(n, rng), .prompt(problem, tokenizer, hint), .grade_batch(responses, problems)
-    config:TrainConfig|None=None,
-    out_dir:str|Path|None=None,      # config.json, log.jsonl, checkpoints/; None = nothing written
-    callbacks:list=(),               # objects with on_after_backward(ctx) and/or on_step_end(ctx, record)
-    resume_from:str|Path|None=None,  # a checkpoint folder of this run, e.g. latest_checkpoint(out_dir)
-    progress:bool|None=None,         # tqdm bar on rank 0 (throttled); None = only on a terminal
-)->TrainResult:
-    "Dr.GRPO training: per step sample prompts, generate G completions, grade, advantages, μ optimizer steps; log, checkpoint."
-    cfg = config if config is not None else TrainConfig()
-    ws, rk = world_size(), rank()
-    if cfg.prompts_per_step < ws:
-        raise ValueError(f"prompts_per_step={cfg.prompts_per_step}: expected at least one prompt per process ({ws})")
-    if cfg.checkpoint_every and out_dir is None: raise ValueError(f"checkpoint_every={cfg.checkpoint_every} needs an out_dir")
-    out = Path(out_dir) if out_dir is not None else None
-    from peft import PeftModel
-    if cfg.lora_r is not None: model = apply_lora(model, cfg)
-    params = list(trainable_parameters(model).values())
-    if not params: raise ValueError("the model has no parameter that requires grad: nothing to train")
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-                            weight_decay=cfg.weight_decay)
-    sched = _scheduler(opt, cfg)
-    sp = SequenceProcessor(model, tokenizer, cfg.generation, progress=False)
-    ref_sp = None
-    if cfg.beta > 0 and not isinstance(model, PeftModel):    # full fine-tuning: a frozen copy of the starting model
-        ref_sp = SequenceProcessor(copy.deepcopy(model).requires_grad_(False).eval(), tokenizer, cfg.generation, progress=False)
-    start, last_ckpt = 0, None
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, model, opt, sched)
-        _check_resume(state, cfg, resume_from)
-        start, last_ckpt = state["step"], Path(resume_from)
-    if out is not None and rk == 0: _prepare_out_dir(out, cfg, start)
-    B, G = cfg.prompts_per_step, cfg.num_generations
-    ctx = StepContext(model, opt, sched, sp, cfg)
-    records = []
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train {cfg.arm}", mininterval=10,
-               disable=True if rk else (None if progress is None else not progress))
-    model.eval()
-    with torch.random.fork_rng(devices=_cuda(model)):
-        for step in bar:
-            t_step = time.perf_counter()
-            seed = (cfg.seed * 1_000_003 + step) * 1_009 + rk     # this rank's sampling (and dropout) seed
-            torch.manual_seed(seed)
-            problems = step_problems(task, step, B, cfg.seed)[shard_slice(B, ws, rk)]
-            prompts = [task.prompt(p, tokenizer, hint=cfg.hint) for p in problems]
-            t = time.perf_counter()
-            seqs = sp.generate_batched(prompts, seed=seed)
-            t_gen = time.perf_counter() - t; t = time.perf_counter()
-            graded = task.grade_batch(seqs.responses_text, problems)
-            t_grade = time.perf_counter() - t; t = time.perf_counter()
-            res, _ = sp.teacher_force_logprobs(seqs, compute_rb=True)
-            ref_logp = None
-            if cfg.beta > 0:
-                if ref_sp is None:
-                    with model.disable_adapter(): ref_logp = sp.teacher_force_logprobs(seqs, compute_rb=False)[0].logprobs
-                else: ref_logp = ref_sp.teacher_force_logprobs(seqs, compute_rb=False)[0].logprobs
-            t_tf = time.perf_counter() - t; t = time.perf_counter()
-            rewards = graded.rewards
-            flags = [k for k in FLAGS if all(k in r for row in graded.records for r in row)]
-            m = res.gen_mask
-            sums = torch.tensor([float(rewards.double().sum()), float((rewards.double() ** 2).sum()), rewards.numel(),
-                                 float((rewards.amax(1) == rewards.amin(1)).sum()), rewards.shape[0], float(m.sum()),
-                                 float((res.rb_entropies * m).sum()), float((res.full_entropies * m).sum())]
-                                + [float(graded.tensor(k).sum()) for k in flags], dtype=torch.float64)
-            all_reduce_sum([sums])
-            r_sum, r_sq, n, n_flat, n_groups, n_tok, h_rb, h_full = sums[:8].tolist()
-            if not math.isfinite(r_sum):
-                raise FloatingPointError(f"step {step}: the task's rewards contain NaN or inf; stopped before the "
-                                         f"optimizer step (last good checkpoint: {last_ckpt})")
-            r_mean = r_sum / n
-            r_std = math.sqrt(max(r_sq - n * r_mean ** 2, 0.0) / max(n - 1, 1))
-            if cfg.scale_rewards == "batch": adv = group_advantages(rewards, "none") / (r_std + 1e-4)
-            else: adv = group_advantages(rewards, cfg.scale_rewards)
-            ctx.step, ctx.batch, ctx.problems, ctx.records = step, seqs, problems, graded.records
-            ctx.rewards, ctx.advantages, ctx.logprobs = rewards, adv, res
-            lr, its = sched.get_last_lr()[0], []
-            for it in range(cfg.num_iterations):
-                ctx.iteration = it
-                opt.zero_grad(set_to_none=True)
-                model.train()
-                try:
-                    bw = policy_gradient_backward(sp, seqs, adv, res.logprobs if cfg.num_iterations > 1 else None,
-                                                  length_norm=cfg.length_norm, clip_eps=cfg.clip_eps, beta=cfg.beta,
-                                                  ref_logp=ref_logp, num_prompts=B,
-                                                  prompts_per_microbatch=cfg.prompts_per_microbatch)
-                finally: model.eval()
-                if not math.isfinite(bw["loss"]):
-                    raise FloatingPointError(f"step {step}: loss is {bw['loss']}; stopped before the optimizer step "
-                                             f"(last good checkpoint: {last_ckpt})")
-                ctx.backward = bw
-                _callbacks(callbacks, "on_after_backward", ctx)
-                gn = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf))
-                if not math.isfinite(gn):
-                    raise FloatingPointError(f"step {step}: gradient norm is {gn}; stopped before the optimizer step "
-                                             f"(last good checkpoint: {last_ckpt})")
-                opt.step(); sched.step()
-                its.append(dict(bw, grad_norm=gn))
-            t_bwd = time.perf_counter() - t
-            mean = lambda k: sum(x[k] for x in its) / len(its)
-            rec = dict(step=step, arm=cfg.arm, reward_mean=r_mean, reward_std=r_std,
-                       **{FLAGS[k]: v / n for k, v in zip(flags, sums[8:].tolist())},
-                       zero_std_frac=n_flat / n_groups, completion_len=n_tok / n,
-                       entropy_rb=h_rb / max(n_tok, 1), entropy_full=h_full / max(n_tok, 1),
-                       loss=mean("loss"), grad_norm=mean("grad_norm"), clip_frac=mean("clip_frac"),
-                       **({"kl": mean("kl")} if cfg.beta > 0 else {}), lr=lr, n_completions=int(n), n_tokens=int(n_tok),
-                       time_generate=t_gen, time_grade=t_grade, time_teacher_force=t_tf, time_backward=t_bwd)
-            _callbacks(callbacks, "on_step_end", ctx, rec)
-            done = step + 1
-            if out is not None and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
-                if rk == 0: save_checkpoint(out/"checkpoints"/f"step_{done:06d}", model, opt, sched, done, cfg)
-                if ws > 1: torch.distributed.barrier()
-                last_ckpt = out/"checkpoints"/f"step_{done:06d}"
-            rec["time_step"] = time.perf_counter() - t_step
-            if out is not None and rk == 0:
-                with open(out/"log.jsonl", "a") as f: f.write(json.dumps(rec, default=_json_default) + "\n")
-            records.append(rec)
-            bar.set_postfix(reward=f"{r_mean:.3f}", loss=f"{rec['loss']:.4f}", H=f"{rec['entropy_rb']:.3f}", refresh=False)
-    return TrainResult(model, opt, sched, records, last_ckpt)

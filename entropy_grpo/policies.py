@@ -6,15 +6,17 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/policies.html.md"""
 
 # %% ../nbs/00a_policies.ipynb #14179964
 from __future__ import annotations
-import importlib.util, logging, os, random, shutil, tempfile
+import importlib.util, logging, os, random
 from pathlib import Path
 
 import torch
 
+from .utils import atomic_path, check_choice
+
 # %% auto #0
 __all__ = ['log', 'DEFAULT_POLICY', 'DEFAULT_GGUF', 'SMOLLM2_INSTALL', 'TINY_EOS', 'TINY_PAD', 'default_device', 'resolve_dtype',
            'prepare_tokenizer', 'cache_dir', 'smollm2_gguf_path', 'convert_default_policy', 'load_policy',
-           'tiny_tokenizer', 'tiny_policy']
+           'tiny_tokenizer', 'tiny_policy', 'policy_by_name']
 
 # %% ../nbs/00a_policies.ipynb #02453bff
 log = logging.getLogger(__name__)
@@ -36,8 +38,7 @@ def resolve_dtype(dtype=None, device=None) -> torch.dtype:
         return torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
-    if dtype not in names: raise ValueError(f"dtype={dtype!r}: expected a torch.dtype or one of {sorted(names)}")
-    return names[dtype]
+    return names[check_choice("dtype", dtype, sorted(names))]
 
 # %% ../nbs/00a_policies.ipynb #42d217e6
 def prepare_tokenizer(tokenizer):
@@ -82,13 +83,8 @@ def convert_default_policy(dest: Path | None = None) -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"): del model.config.quantization_config
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
-    try:
+    with atomic_path(dest, is_dir=True) as tmp:
         model.save_pretrained(tmp); tok.save_pretrained(tmp)
-        tmp.rename(dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True); raise
     return dest
 
 # %% ../nbs/00a_policies.ipynb #50a9e309
@@ -186,3 +182,13 @@ def tiny_policy(
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.bos_token_id = None
     return _finish(model, tok, torch.device(device) if device is not None else torch.device("cpu"))
+
+# %% ../nbs/00a_policies.ipynb #e1d68682
+def policy_by_name(
+    name:str,          # "default" | "tiny" | a hub name or local path
+    seed:int=0,        # the tiny policy's weights
+    dtype=None,        # as in load_policy; the tiny policy defaults to float32
+):                     # (model, tokenizer)
+    "The policy a template parameter names: the embedded default, the tiny test policy, or any causal LM."
+    if name == "tiny": return tiny_policy(seed, dtype=resolve_dtype(dtype or "float32"))
+    return load_policy(None if name == "default" else name, dtype=dtype or None)

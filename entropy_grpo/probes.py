@@ -6,20 +6,24 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/probes.html.md"""
 
 # %% ../nbs/04_probes.ipynb #43cf5c9b
 from __future__ import annotations
-import math, random
-from dataclasses import dataclass, replace
+import copy, math, random
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .delta_entropy_is import DeltaEntropyIS, TrainingState, _as_sequences
-from .dr_grpo import all_reduce_sum, group_advantages, policy_gradient_backward, world_size
-from .sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor, make_probe_batch
+from .delta_entropy_is import DeltaEntropyIS
+from .dist import all_reduce_sum
+from .dr_grpo import group_advantages, policy_gradient_backward
+from .sequence_processor import (GenerationConfig, LogprobResults, SequenceProcessor, as_batched_sequences,
+                                             make_probe_batch)
+from .utils import check_choice, check_range, markdown_table
 
 # %% auto #0
-__all__ = ['E_SAMPLING_MODES', 'GRAD_H_ESTIMATORS', 'BatchConfig', 'ProbeComponents', 'optimizer_delta', 'entropy_gradient',
-           'covariance_predictor', 'first_order_delta_entropy', 'run_mixed_probe', 'markdown_table', 'plot_mixed_probe']
+__all__ = ['E_SAMPLING_MODES', 'GRAD_H_ESTIMATORS', 'BatchConfig', 'ProbeComponents', 'optimizer_delta', 'naive_optimizer_delta',
+           'entropy_gradient', 'naive_entropy_derivative', 'covariance_predictor', 'first_order_delta_entropy',
+           'run_mixed_probe', 'plot_mixed_probe']
 
 # %% ../nbs/04_probes.ipynb #27787347
 E_SAMPLING_MODES = ("replacement", "distinct")
@@ -32,15 +36,12 @@ class BatchConfig:
     G:int=8                            # completions per prompt
     rollout_batch_size:int=32          # sequences per generate call
     hint:bool=False                    # prompts carry the task's lenient-grader hint
-    scale_rewards:str="none"           # advantages (nb 03)
+    scale_rewards:str="none"           # advantages (`dr_grpo`)
     seed:int=0
 
     def __post_init__(self):
-        if self.E_sampling_mode not in E_SAMPLING_MODES:
-            raise ValueError(f"E_sampling_mode={self.E_sampling_mode!r}: expected one of {E_SAMPLING_MODES}")
-        for k in ("E_total_sequences", "B_U", "G", "rollout_batch_size"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or v < 1: raise ValueError(f"{k}={v!r}: expected an integer >= 1")
+        check_choice("E_sampling_mode", self.E_sampling_mode, E_SAMPLING_MODES)
+        for k in ("E_total_sequences", "B_U", "G", "rollout_batch_size"): check_range(k, getattr(self, k), 1, integer=True)
 
 class ProbeComponents:
     "Samples E and U probe batches from a task through one SequenceProcessor."
@@ -121,7 +122,22 @@ def optimizer_delta(optimizer:torch.optim.Optimizer, lr:float|None=None) -> dict
                                           "supported: Adam, AdamW, SGD")
     return out
 
-# %% ../nbs/04_probes.ipynb #cba874fd
+# %% ../nbs/04_probes.ipynb #2db25462
+def naive_optimizer_delta(optimizer:torch.optim.Optimizer, lr:float|None=None) -> dict:
+    "Reference {param: Δθ}: the real optimizer.step() with the gradients now in .grad, then undone."
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    saved, state = [p.detach().clone() for p in params], copy.deepcopy(optimizer.state_dict())
+    try:
+        if lr is not None:
+            for g in optimizer.param_groups: g["lr"] = lr
+        optimizer.step()
+        return {p: p.detach() - s for p, s in zip(params, saved)}
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved): p.copy_(s)
+        optimizer.load_state_dict(state)
+
+# %% ../nbs/04_probes.ipynb #7d5e2175
 GRAD_H_ESTIMATORS = ("snis", "causal")
 
 def _future_sums(h:Tensor, m:Tensor) -> Tensor:
@@ -129,53 +145,71 @@ def _future_sums(h:Tensor, m:Tensor) -> Tensor:
     hm = h * m
     return hm.flip(-1).cumsum(-1).flip(-1) - hm
 
+def _surrogate_coef(res:LogprobResults, estimator:str) -> tuple[Tensor, float, float]:
+    "Coefficient of log q in the surrogate ([B, G, 1] snis, [B, G, T] causal), global N and S̄."
+    m = res.gen_mask.to(res.rb_entropies.dtype)
+    S = (res.rb_entropies * m).sum(-1)                                   # [B, G]
+    tot = all_reduce_sum([torch.stack([S.sum().double(), torch.tensor(float(S.numel()), dtype=torch.float64)])])[0]
+    N, S_bar = float(tot[1]), float(tot[0] / tot[1])
+    if estimator == "snis": return (S - S_bar)[..., None] * m, N, S_bar
+    Gk = _future_sums(res.rb_entropies, m)
+    col = all_reduce_sum([torch.stack([(Gk * m).sum((0, 1)).double(), m.sum((0, 1)).double()])])[0]
+    return (Gk - (col[0] / col[1].clamp_min(1)).to(Gk.dtype)) * m, N, S_bar
+
 def entropy_gradient(
     sp:SequenceProcessor,
     E,                          # probe batch or BatchedSequences (this rank's share)
     estimator:str="snis",       # "snis" | "causal"
     params:list|None=None,      # parameters to differentiate (default: those requiring grad)
-)->tuple[list, dict]:           # ([∇H per param], {H_orig, N})
+)->tuple[list, dict]:           # ([∇H per param], {H_orig, N, logprobs: the no-grad pass over E})
     "∇ of the RB entropy estimate on E with θ's kept sets fixed; leaves .grad as it found it."
-    if estimator not in GRAD_H_ESTIMATORS: raise ValueError(f"estimator={estimator!r}: expected one of {GRAD_H_ESTIMATORS}")
-    E = _as_sequences(E, "E_batch")
+    check_choice("estimator", estimator, GRAD_H_ESTIMATORS)
+    E = as_batched_sequences(E, "E_batch")
     params = params if params is not None else [p for p in sp.model.parameters() if p.requires_grad]
     saved = [p.grad for p in params]
     res, _ = sp.teacher_force_logprobs(E, compute_rb=True)
-    m = res.gen_mask.to(res.rb_entropies.dtype)
-    S = (res.rb_entropies * m).sum(-1)                                   # [B, G]
-    tot = torch.stack([S.sum().double(), torch.tensor(float(S.numel()), dtype=torch.float64)])
-    all_reduce_sum([tot])
-    N, S_bar = float(tot[1]), float(tot[0] / tot[1])
-    if estimator == "snis":
-        coef = (S - S_bar)[..., None] * m                                # [B, G, 1] -> per token
-    else:
-        Gk = _future_sums(res.rb_entropies, m)
-        col = torch.stack([(Gk * m).sum((0, 1)).double(), m.sum((0, 1)).double()])
-        all_reduce_sum([col])
-        b = (col[0] / col[1].clamp_min(1)).to(Gk.dtype)
-        coef = (Gk - b) * m
-    grad_sp = SequenceProcessor(sp.model, sp.tokenizer, replace(sp.config, rb_requires_grad=True), progress=False)
+    coef, N, S_bar = _surrogate_coef(res, estimator)
     step = max(1, sp.config.tf_batch_size // E.shape[1])
     for p in params: p.grad = None
     for s in range(0, E.shape[0], step):
-        r, _ = grad_sp.teacher_force_logprobs(E[s:s + step], with_grad=True, compute_rb=True)
-        Tg = r.logprobs.shape[-1]
-        mm = r.gen_mask.to(r.logprobs.dtype)
-        surrogate = ((r.rb_entropies_torch + coef[s:s + step, :, :Tg] * r.logprobs) * mm).sum() / N
-        surrogate.backward()
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-    all_reduce_sum(grads)
+        r, _ = sp.teacher_force_logprobs(E[s:s + step], with_grad=True, compute_rb=True, rb_grad=True)
+        Tg, mm = r.logprobs.shape[-1], r.gen_mask.to(r.logprobs.dtype)
+        ((r.rb_entropies_torch + coef[s:s + step, :, :Tg] * r.logprobs) * mm).sum().div(N).backward()
+    grads = all_reduce_sum([torch.zeros_like(p) if p.grad is None else p.grad for p in params])
     for p, g in zip(params, saved): p.grad = g
-    return grads, dict(H_orig=S_bar, N=int(N))
+    return grads, dict(H_orig=S_bar, N=int(N), logprobs=res)
 
-# %% ../nbs/04_probes.ipynb #7d5e2175
-def covariance_predictor(E:dict, sp:SequenceProcessor) -> float:
+# %% ../nbs/04_probes.ipynb #41921d83
+@torch.no_grad()
+def naive_entropy_derivative(
+    sp:SequenceProcessor,
+    E,                          # probe batch or BatchedSequences (one process)
+    direction:list,             # [d per parameter requiring grad], in model order
+    estimator:str="snis",
+    eps:float=1e-3,
+)->float:                       # ≈ ⟨∇H, d⟩
+    "Reference ⟨∇H, d⟩: central difference of the estimator's definition at θ ± eps·d, θ's kept sets held fixed."
+    E = as_batched_sequences(E, "E_batch")
+    base, diag = sp.teacher_force_logprobs(E, return_support=True)
+    coef, N, _ = _surrogate_coef(base, estimator)
+    m, lq0 = base.gen_mask.to(base.logprobs.dtype), base.sequence_logprobs.flatten()
+    named = [(n, p) for n, p in sp.model.named_parameters() if p.requires_grad]
+    def f(e):
+        over = {n: p.detach() + e * d for (n, p), d in zip(named, direction)}
+        r, _ = sp.teacher_force_logprobs(E, params_override=over, support=diag["support"])
+        if estimator == "causal": return float(((r.rb_entropies + coef * r.logprobs) * m).sum() / N)
+        S, lw = (r.rb_entropies * m).sum(-1).flatten(), r.sequence_logprobs.flatten() - lq0
+        w = torch.exp(lw - lw.max())
+        return float((w * S).sum() / w.sum())
+    return (f(eps) - f(-eps)) / (2 * eps)
+
+# %% ../nbs/04_probes.ipynb #f6fd1704
+def covariance_predictor(E:dict, sp:SequenceProcessor|None=None, logprobs:LogprobResults|None=None) -> float:
     "Cov(log q, A) over E tokens (global); Cui et al.'s predictor of the entropy change is −lr × this."
-    res, _ = sp.teacher_force_logprobs(_as_sequences(E, "E_batch"), compute_rb=False)
+    res = logprobs if logprobs is not None else sp.teacher_force_logprobs(as_batched_sequences(E, "E_batch"), compute_rb=False)[0]
     m = res.gen_mask.to(torch.float64)
     lq, A = res.logprobs.double() * m, E["advantages"].double().to(m.device)[..., None] * m
-    s = torch.stack([(lq * A).sum(), lq.sum(), A.sum(), m.sum()])
-    all_reduce_sum([s])
+    s = all_reduce_sum([torch.stack([(lq * A).sum(), lq.sum(), A.sum(), m.sum()])])[0]
     return float(s[0] / s[3] - (s[1] / s[3]) * (s[2] / s[3]))
 
 def first_order_delta_entropy(
@@ -185,37 +219,27 @@ def first_order_delta_entropy(
     optimizer:torch.optim.Optimizer,
     lr:float|None=None,         # None: the optimizer's own learning rate(s)
     estimator:str="snis",
-    length_norm:str="max_new_tokens",
-    check_step:bool=False,      # also take a real step on a snapshot and report Δθ's relative error
+    length_norm:str="max_len",
+    check_step:bool=False,      # also report Δθ's relative error against a real (undone) step
 )->dict:
     "ΔH₁ = ⟨∇H(E), Δθ⟩ with Δθ rebuilt from the optimizer state and the Dr.GRPO gradient on U; no step is kept."
     params = [p for p in sp.model.parameters() if p.requires_grad]
     gH, info = entropy_gradient(sp, E_batch, estimator, params)
-    U = _as_sequences(U_batch, "U_batch")
+    res = info.pop("logprobs")
     saved = [p.grad for p in params]
     for p in params: p.grad = None
-    upd = policy_gradient_backward(sp, U, U_batch["advantages"], length_norm=length_norm)
+    upd = policy_gradient_backward(sp, as_batched_sequences(U_batch, "U_batch"), U_batch["advantages"], length_norm=length_norm)
     d = optimizer_delta(optimizer, lr)
     out = dict(info, estimator=estimator, update_loss=upd["loss"])
     if check_step:
-        state = TrainingState(sp.model, optimizer)
-        try:
-            before = [p.detach().clone() for p in params]
-            if lr is not None:
-                for g in optimizer.param_groups: g["lr"] = lr
-            optimizer.step()
-            real = [p.detach() - b for p, b in zip(params, before)]
-            num = sum(float(((d.get(p, torch.zeros_like(p)) - r) ** 2).sum()) for p, r in zip(params, real))
-            den = sum(float((r ** 2).sum()) for r in real)
-            out["delta_theta_rel_error"] = math.sqrt(num / max(den, 1e-300))
-        finally:
-            state.restore()
+        real = naive_optimizer_delta(optimizer, lr)
+        num = sum(float(((d[p] - r) ** 2).sum()) for p, r in real.items())
+        out["delta_theta_rel_error"] = math.sqrt(num / max(sum(float((r ** 2).sum()) for r in real.values()), 1e-300))
     for p, g in zip(params, saved): p.grad = g
     out["deltaH1"] = sum(float((g.double() * d[p].double()).sum()) for p, g in zip(params, gH) if p in d)
     out["grad_H_norm"] = math.sqrt(sum(float((g.double() ** 2).sum()) for g in gH))
     out["delta_theta_norm"] = math.sqrt(sum(float((v.double() ** 2).sum()) for v in d.values()))
-    if isinstance(E_batch, dict) and "advantages" in E_batch:
-        out["cov_logq_adv"] = covariance_predictor(E_batch, sp)
+    if isinstance(E_batch, dict) and "advantages" in E_batch: out["cov_logq_adv"] = covariance_predictor(E_batch, logprobs=res)
     return out
 
 # %% ../nbs/04_probes.ipynb #7f49d3e7
@@ -226,7 +250,7 @@ def run_mixed_probe(
     optimizer:torch.optim.Optimizer,
     lrs=(1e-3, 3e-4, 1e-4, 3e-5, 1e-5),
     estimator:str="snis",
-    cfg_importance:dict|None=None,  # passed to DeltaEntropyIS.entropy_change_two_batch (lr is set per row)
+    cfg_importance:dict|None=None,  # passed to DeltaEntropyIS.entropy_change (lr is set per row)
     scheduler=None,
     plot:bool=True,
 )->dict:                            # rows, slope, table (markdown), figure
@@ -237,7 +261,7 @@ def run_mixed_probe(
     probe = DeltaEntropyIS(sp.model, sp.config, sequence_processor=sp)
     rows = []
     for lr in lrs:
-        t = probe.entropy_change_two_batch(sp.model, E_batch, U_batch, optimizer, {**(cfg_importance or {}), "lr": lr}, scheduler)
+        t = probe.entropy_change(E_batch, U_batch, optimizer, {**(cfg_importance or {}), "lr": lr}, scheduler)
         rows.append(dict(lr=lr, deltaH1=lr * one["deltaH1"], deltaH_true=t["deltaH_true"],
                          deltaH_true_fixed_support=t["deltaH_true_fixed_support"], deltaH_support_change=t["deltaH_support_change"],
                          cov_predictor=-lr * one.get("cov_logq_adv", float("nan")), ess=t["ess"],
@@ -249,13 +273,6 @@ def run_mixed_probe(
     out = dict(rows=rows, slope=slope, H_orig=one["H_orig"], estimator=estimator, table=markdown_table(rows))
     if plot: out["figure"] = plot_mixed_probe(rows, slope)
     return out
-
-def markdown_table(rows:list, cols:list|None=None, fmt:str="{:.4g}") -> str:
-    "A markdown table of row dicts."
-    cols = cols or list(rows[0])
-    cell = lambda v: fmt.format(v) if isinstance(v, float) else str(v)
-    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-                     + ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows])
 
 def plot_mixed_probe(rows:list, slope:float):
     "Log–log |ΔH| against lr: true, fixed-support, first-order, covariance predictor, and the gap."

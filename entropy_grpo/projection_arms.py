@@ -1,4 +1,4 @@
-"""The δS (SVD-basis) and LoRA adapters, v_hack extracted from (hack, clean) pairs, the one-sided projection of the gradient, and the three arms of PHASES.md as callbacks of the one training loop.
+"""v_hack extracted from (hack, clean) pairs, the one-sided projection of the gradient, and the arms of Phase 2 and Phase 3 as callbacks of the one training loop.
 
 Docs: https://entropy-grpo.github.io/entropy_grpo/projection_arms.html.md"""
 
@@ -6,316 +6,23 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/projection_arms.html.md"""
 
 # %% ../nbs/05_projection_arms.ipynb #84a023c5
 from __future__ import annotations
-import hashlib, json, math, random, re
-from contextlib import contextmanager
+import json, math, random
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from .dr_grpo import LENGTH_NORMS, dr_grpo_loss
+from .adapters import Adapter, DeltaSAdapter, LoraAdapter, check_signature
+from .dr_grpo import LENGTH_NORMS, check_length_norm, dr_grpo_loss
 from .sequence_processor import BatchedSequences, SequenceProcessor, pack_sequences
+from .utils import check_choice, check_range
 
 # %% auto #0
-__all__ = ['STRUCTURE_KEYS', 'V_HACK_LOSSES', 'GATES', 'COS_KEYS', 'NULL_KEYS', 'ARMS', 'find_linears', 'tensor_hash',
-           'model_name', 'config_hash', 'clear_svd_cache', 'weight_svd', 'check_signature', 'Adapter', 'DeltaSAdapter',
-           'add_delta_s', 'LoraAdapter', 'add_lora', 'pair_sequences', 'planted_pairs', 'shuffle_pair_labels',
+__all__ = ['V_HACK_LOSSES', 'GATES', 'COS_KEYS', 'NULL_KEYS', 'ARMS', 'pair_sequences', 'planted_pairs', 'shuffle_pair_labels',
            'pool_pairs', 'pair_loss_difference', 'pair_gradient_differences', 'VHack', 'v_hack_from_differences',
            'extract_v_hack', 'random_v_hack', 'alignment_stats', 'project_grad', 'ProjectionArm']
-
-# %% ../nbs/05_projection_arms.ipynb #9255b0d4
-def find_linears(
-    model:nn.Module,
-    target_modules:str|list|tuple,  # regex (full match) or names / name suffixes, as in peft
-)->list[str]:                       # full names of the matched nn.Linear modules, in model order
-    "Names of the nn.Linear modules selected by `target_modules`; ValueError listing the model's Linears if one matches none."
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    def listing():
-        leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
-        return f"its nn.Linear modules are named {leaves} (e.g. {linears[:3]})"
-    if isinstance(target_modules, str):
-        found = [n for n in linears if re.fullmatch(target_modules, n)]
-        if not found: raise ValueError(f"target_modules={target_modules!r} matches no nn.Linear of {type(model).__name__}; {listing()}")
-        return found
-    if not target_modules: raise ValueError(f"target_modules={target_modules!r}: expected a regex or a non-empty list of names")
-    hit = lambda n, t: n == t or n.endswith("." + t)
-    for t in target_modules:
-        if not any(hit(n, t) for n in linears):
-            raise ValueError(f"target_modules entry {t!r} matches no nn.Linear of {type(model).__name__}; {listing()}")
-    return [n for n in linears if any(hit(n, t) for t in target_modules)]
-
-# %% ../nbs/05_projection_arms.ipynb #161b0994
-def tensor_hash(t:Tensor) -> str:
-    "sha256 (16 hex digits) of a tensor's dtype, shape and bytes."
-    t = t.detach().contiguous().cpu()
-    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-def _hash_strings(items) -> str:
-    return hashlib.sha256("|".join(items).encode()).hexdigest()[:16]
-
-def model_name(model:nn.Module) -> str:
-    "The model's name_or_path, else its class name."
-    return getattr(model.config, "_name_or_path", "") or type(model).__name__
-
-def config_hash(model:nn.Module) -> str:
-    "Hash of the model config, without dtype, attention implementation, versions and private fields."
-    skip = {"dtype", "torch_dtype", "transformers_version", "use_cache", "architectures"}
-    d = {k: v for k, v in model.config.to_dict().items() if k not in skip and not k.startswith("_")}
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-# %% ../nbs/05_projection_arms.ipynb #398a8682
-_SVD_CACHE: dict = {}   # tensor_hash(W) -> (U [out, r], S [r], Vh [r, in]) in W's dtype and device
-
-def clear_svd_cache():
-    "Empty the in-memory SVD cache (the disk cache stays)."
-    _SVD_CACHE.clear()
-
-def weight_svd(
-    W:Tensor,                        # [out, in]
-    cache_dir:str|Path|None=None,    # also read/write <cache_dir>/<hash>.safetensors
-)->tuple[Tensor, Tensor, Tensor]:    # U [out, r], S [r], Vh [r, in], r = min(out, in), in W's dtype and device
-    "Thin SVD of a weight, cached by the hash of its bytes (memory, and disk when cache_dir is given)."
-    from safetensors.torch import load_file, save_file
-    key = tensor_hash(W)
-    if key in _SVD_CACHE: return _SVD_CACHE[key]
-    path = Path(cache_dir)/f"svd_{key}.safetensors" if cache_dir is not None else None
-    if path is not None and path.exists():
-        d = load_file(path, device=str(W.device))
-        out = (d["U"], d["S"], d["Vh"])
-    else:
-        U, S, Vh = torch.linalg.svd(W.detach().to(torch.promote_types(W.dtype, torch.float32)), full_matrices=False)
-        out = tuple(t.to(W.dtype).contiguous() for t in (U, S, Vh))
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{random.getrandbits(32):08x}")
-            save_file({"U": out[0].cpu(), "S": out[1].cpu(), "Vh": out[2].cpu()}, tmp)
-            tmp.rename(path)
-    _SVD_CACHE[key] = out
-    return out
-
-# %% ../nbs/05_projection_arms.ipynb #646dbd77
-STRUCTURE_KEYS = ("kind", "model", "config_hash", "targets", "dims", "weights_hash")   # checked in this order
-
-def check_signature(
-    expected:dict,       # the live adapter's signature
-    found:dict,          # the signature stored with a file
-    what:str,            # names the file in the message
-    keys:tuple,          # which keys must agree
-):
-    "ValueError naming both sides and the first key that differs."
-    for k in keys:
-        if expected.get(k) != found.get(k):
-            brief = lambda s: f"{s.get('kind')} on model {s.get('model')!r} (config {s.get('config_hash')}, weights {s.get('weights_hash')})"
-            raise ValueError(f"{what} was made for {brief(found)}, but this adapter is {brief(expected)}: "
-                             f"{k} differs ({found.get(k)!r} in the file vs {expected.get(k)!r} here)")
-
-class Adapter:
-    "Trainable parameters grouped per targeted module; subclasses fill `module_params`, `_settings` and `zeroed`."
-    kind = "adapter"
-    load_keys = STRUCTURE_KEYS        # what a saved adapter state must match
-    identity_keys = STRUCTURE_KEYS    # what a v_hack made on this adapter must match
-
-    def __init__(self, model:nn.Module, names:list[str]):
-        self.model, self.names = model, names
-        self.weights_hash = _hash_strings(tensor_hash(self._base_weight(n).float()) for n in names)
-
-    def _base_weight(self, name) -> Tensor: return self.model.get_submodule(name).weight
-    def _adopt(self, meta:dict): "Take over settings from a loaded file (after its signature was checked)."
-
-    def module_params(self) -> dict[str, dict[str, nn.Parameter]]: raise NotImplementedError
-    def _settings(self) -> dict: return {}
-
-    def parameters(self) -> list[nn.Parameter]:
-        return [p for ps in self.module_params().values() for p in ps.values()]
-
-    @property
-    def dims(self) -> dict[str, int]:
-        return {n: sum(p.numel() for p in ps.values()) for n, ps in self.module_params().items()}
-
-    def flat_grads(self) -> dict[str, Tensor]:
-        "{module: its gradient vector [dims[module]]} (zeros where .grad is None); new tensors, .grad untouched."
-        return {n: torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps.values()])
-                for n, ps in self.module_params().items()}
-
-    @torch.no_grad()
-    def set_flat_grads(self, grads:dict[str, Tensor]):
-        "Write per-module gradient vectors back into .grad (a None .grad stays None when its new values are all zero)."
-        for n, ps in self.module_params().items():
-            o = 0
-            for p in ps.values():
-                g = grads[n][o:o + p.numel()].view_as(p).to(p.dtype)
-                if p.grad is not None: p.grad.copy_(g)
-                elif g.any(): p.grad = g.clone()
-                o += p.numel()
-
-    def param_names(self) -> dict[str, dict[str, str]]:
-        "{module: {local name: the parameter's name in model.named_parameters()}}."
-        full = {id(p): n for n, p in self.model.named_parameters()}
-        return {m: {k: full[id(p)] for k, p in ps.items()} for m, ps in self.module_params().items()}
-
-    def module_vectors(self, tensors:dict[str, Tensor]) -> dict[str, Tensor]:
-        "{parameter name: tensor shaped like it} -> {module: flat vector}."
-        return {m: torch.cat([tensors[n].reshape(-1) for n in names.values()]) for m, names in self.param_names().items()}
-
-    def param_tensors(self, vectors:dict[str, Tensor]) -> dict[str, Tensor]:
-        "{module: flat vector} -> {parameter name: tensor shaped like the parameter}."
-        out, ps = {}, self.module_params()
-        for m, names in self.param_names().items():
-            parts = vectors[m].split([p.numel() for p in ps[m].values()])
-            out.update({n: t.view(ps[m][k].shape) for (k, n), t in zip(names.items(), parts)})
-        return out
-
-    def signature(self) -> dict:
-        return dict(kind=self.kind, model=model_name(self.model), config_hash=config_hash(self.model),
-                    weights_hash=self.weights_hash, targets=list(self.names), dims=self.dims, **self._settings())
-
-    def save(self, path:str|Path, **meta):
-        "Adapter parameters as safetensors, with the signature and `meta` in the metadata."
-        from safetensors.torch import save_file
-        tensors = {f"{n}.{k}": p.detach().cpu().contiguous() for n, ps in self.module_params().items() for k, p in ps.items()}
-        save_file(tensors, str(path), metadata={"entropy_grpo_adapter": json.dumps(dict(self.signature(), **meta))})
-
-    @torch.no_grad()
-    def load(self, path:str|Path) -> dict:
-        "Load parameters saved by `save` after checking the signature; returns the stored metadata."
-        from safetensors import safe_open
-        with safe_open(str(path), "pt") as f:
-            meta = json.loads(f.metadata()["entropy_grpo_adapter"])
-            check_signature(self.signature(), meta, f"adapter file {str(path)!r}", self.load_keys)
-            for n, ps in self.module_params().items():
-                for k, p in ps.items(): p.copy_(f.get_tensor(f"{n}.{k}"))
-        self._adopt(meta)
-        return meta
-
-# %% ../nbs/05_projection_arms.ipynb #9acf87d6
-class DeltaSAdapter(Adapter):
-    "W → W + U·diag(δS)·Vᵀ on each targeted Linear; only δS trains."
-    kind = "delta_s"
-    load_keys = identity_keys = STRUCTURE_KEYS + ("rank",)
-
-    def __init__(
-        self,
-        model:nn.Module,
-        target_modules:str|list|tuple,  # as in peft: regex, or names / name suffixes
-        rank:int|None=None,             # None: full rank min(out, in); else the top-r singular directions
-        cache_dir:str|Path|None=None,   # disk cache of the SVDs (besides the in-memory one)
-    ):
-        names = find_linears(model, target_modules)
-        for n in names:
-            out_f, in_f = model.get_submodule(n).weight.shape
-            if rank is not None and not (isinstance(rank, int) and 1 <= rank <= min(out_f, in_f)):
-                raise ValueError(f"rank={rank!r}: module {n} has a {out_f}x{in_f} weight, so rank must lie in [1, {min(out_f, in_f)}]")
-        super().__init__(model, names)
-        self.rank, self._zeroed, self._hooks = rank, False, []
-        for p in model.parameters(): p.requires_grad_(False)
-        for n in names:
-            m = model.get_submodule(n)
-            if hasattr(m, "delta_S"): raise ValueError(f"module {n} already carries a δS adapter")
-            U, S, Vh = weight_svd(m.weight, cache_dir)
-            r = rank or S.shape[0]
-            m.register_buffer("svd_U", U[:, :r], persistent=False)      # [out, r]
-            m.register_buffer("svd_S", S[:r], persistent=False)         # [r]
-            m.register_buffer("svd_Vh", Vh[:r], persistent=False)       # [r, in]
-            m.delta_S = nn.Parameter(torch.zeros(r, device=m.weight.device, dtype=torch.float32))
-            self._hooks.append(m.register_forward_hook(self._hook))
-
-    def _hook(self, m, args, y):
-        if self._zeroed: return y
-        h = F.linear(args[0], m.svd_Vh)                                  # [..., r] = x·V
-        return y + F.linear(h * m.delta_S.to(h.dtype), m.svd_U)          # [..., out]
-
-    def module_params(self): return {n: {"delta_S": self.model.get_submodule(n).delta_S} for n in self.names}
-    def _settings(self): return dict(rank=self.rank)
-
-    def merged_weight(self, name:str) -> Tensor:
-        "W + U·diag(δS)·Vᵀ of one module (the reference the hook must agree with)."
-        m = self.model.get_submodule(name)
-        return m.weight + (m.svd_U * m.delta_S.to(m.svd_U.dtype)) @ m.svd_Vh
-
-    @contextmanager
-    def zeroed(self):
-        "The base policy: the δS path is skipped entirely."
-        saved, self._zeroed = self._zeroed, True
-        try: yield self.model
-        finally: self._zeroed = saved
-
-def add_delta_s(
-    model:nn.Module,
-    target_modules:str|list|tuple=("q_proj", "k_proj", "v_proj", "o_proj"),
-    rank:int|None=None,             # None: full rank
-    cache_dir:str|Path|None=None,   # disk cache of the SVDs
-)->DeltaSAdapter:
-    "Attach a zero-initialised δS to every targeted Linear and freeze everything else."
-    return DeltaSAdapter(model, target_modules, rank, cache_dir)
-
-# %% ../nbs/05_projection_arms.ipynb #5df9c1c3
-class LoraAdapter(Adapter):
-    "peft LoRA (ΔW = α/r·B·A) on each targeted Linear; only A and B train."
-    kind = "lora"
-    load_keys = STRUCTURE_KEYS + ("r", "alpha")
-    identity_keys = load_keys + ("init_hash",)
-
-    def __init__(
-        self,
-        model:nn.Module,
-        target_modules:str|list|tuple,  # as in peft
-        r:int=8,                        # LoRA rank
-        alpha:float=16,                 # scale α (ΔW = α/r·B·A)
-        seed:int=0,                     # draws A (on CPU, so the same on every device)
-    ):
-        from peft import LoraConfig, inject_adapter_in_model
-        names = find_linears(model, target_modules)
-        for n in names:
-            w = model.get_submodule(n).weight
-            if not (isinstance(r, int) and 1 <= r <= min(w.shape)):
-                raise ValueError(f"r={r!r}: module {n} has a {w.shape[0]}x{w.shape[1]} weight, so r must lie in [1, {min(w.shape)}]")
-        super().__init__(model, names)
-        self.r, self.alpha, self.seed = r, alpha, seed
-        inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, target_modules=names, lora_dropout=0.0, bias="none"), model)
-        for p in model.parameters(): p.requires_grad_(False)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for ps in self.module_params().values():
-                A, B = ps["lora_A"], ps["lora_B"]
-                A.copy_((torch.rand(A.shape, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(A.shape[1]))
-                B.zero_()
-        for p in self.parameters(): p.requires_grad_(True)
-        self.init_hash = _hash_strings(tensor_hash(ps["lora_A"].float()) for ps in self.module_params().values())
-
-    def module_params(self):
-        out = {}
-        for n in self.names:
-            m = self.model.get_submodule(n)
-            out[n] = {"lora_A": m.lora_A["default"].weight, "lora_B": m.lora_B["default"].weight}
-        return out
-
-    def _settings(self): return dict(r=self.r, alpha=self.alpha, init_hash=self.init_hash)
-
-    @contextmanager
-    def zeroed(self):
-        "The base policy: peft's adapter layers disabled (their requires_grad is restored on exit)."
-        layers = [self.model.get_submodule(n) for n in self.names]
-        for m in layers: m.enable_adapters(False)
-        try: yield self.model
-        finally:
-            for m in layers: m.enable_adapters(True)
-
-    def _adopt(self, meta): self.init_hash = meta["init_hash"]   # the loaded A defines the LoRA basis now
-
-def add_lora(
-    model:nn.Module,
-    target_modules:str|list|tuple=("q_proj", "k_proj", "v_proj", "o_proj"),
-    r:int=8,
-    alpha:float=16,
-    seed:int=0,
-)->LoraAdapter:
-    "Inject peft LoRA layers in place, freeze everything else."
-    return LoraAdapter(model, target_modules, r, alpha, seed)
 
 # %% ../nbs/05_projection_arms.ipynb #8c55a0da
 def pair_sequences(
@@ -368,8 +75,8 @@ def shuffle_pair_labels(pairs:BatchedSequences, seed:int=0) -> BatchedSequences:
 
 # %% ../nbs/05_projection_arms.ipynb #45f71169
 def pool_pairs(
-    teacher,                    # nb 04a Pool (hint applied): hacked samples are taken from it
-    base,                       # nb 04a Pool (no hint): clean samples are taken from it
+    teacher,                    # `pools.Pool` (hint applied): hacked samples are taken from it
+    base,                       # `pools.Pool` (no hint): clean samples are taken from it
     tokenizer,
     prompt_key:str="student_prompt",  # the prompt both completions are scored under
     max_pairs:int|None=None,
@@ -395,20 +102,23 @@ def pool_pairs(
 # %% ../nbs/05_projection_arms.ipynb #f1449d74
 V_HACK_LOSSES = {"nll": ("sample", "none"), "grpo": LENGTH_NORMS}
 
-def _check_loss(loss, length_norm):
-    if loss not in V_HACK_LOSSES: raise ValueError(f"loss={loss!r}: expected one of {list(V_HACK_LOSSES)}")
+def _check_loss(loss, length_norm) -> str:
+    "The canonical length_norm for `loss`, or a ValueError naming what `loss` allows."
+    check_choice("loss", loss, tuple(V_HACK_LOSSES))
+    if loss == "grpo": length_norm = check_length_norm(length_norm)
     if length_norm not in V_HACK_LOSSES[loss]:
         raise ValueError(f"length_norm={length_norm!r}: loss={loss!r} allows {list(V_HACK_LOSSES[loss])}")
+    return length_norm
 
 def pair_loss_difference(
     logprobs:Tensor,         # [n, 2, T] log q, graph-carrying
     gen_mask:Tensor,         # [n, 2, T] bool
     loss:str="nll",          # "nll" | "grpo"
     length_norm:str="sample",
-    max_len:int|None=None,   # L_max for loss="grpo", length_norm="max_new_tokens"
+    max_len:int|None=None,   # L_max for loss="grpo", length_norm="max_len"
 )->Tensor:                   # [n] ℓ(hack) − ℓ(clean) per pair
     "Per-pair loss difference whose gradient is ∇ℓ(hack) − ∇ℓ(clean)."
-    _check_loss(loss, length_norm)
+    length_norm = _check_loss(loss, length_norm)
     m = gen_mask.to(logprobs.dtype)
     if loss == "nll":
         nll = -(logprobs * m).sum(-1)                                    # [n, 2]
@@ -427,7 +137,7 @@ def pair_gradient_differences(
     max_len:int|None=None,      # default sp.config.max_new_tokens
 )->dict[str, Tensor]:           # {module: [n, dims[module]]} float32
     "Stacked per-pair gradient differences ∇ℓ(hack) − ∇ℓ(clean) per module; the adapter's .grad is left as found."
-    _check_loss(loss, length_norm)
+    length_norm = _check_loss(loss, length_norm)
     if sp.model is not adapter.model: raise ValueError("sp.model is not adapter.model: score with the adapted model")
     if pairs.shape[1] != 2: raise ValueError(f"pairs: expected shape [n, 2, T] (hack, clean), got {pairs.shape}")
     params = adapter.parameters()
@@ -520,11 +230,12 @@ def extract_v_hack(
     k:int=1,                    # directions per module
     loss:str="nll",             # "nll" | "grpo"
     length_norm:str="sample",   # nll: "sample" | "none"; grpo: dr_grpo's length_norm
-    max_len:int|None=None,      # L_max for grpo + "max_new_tokens" (default sp.config.max_new_tokens)
+    max_len:int|None=None,      # L_max for grpo + "max_len" (default sp.config.max_new_tokens)
     pools:str|dict|None=None,   # provenance of the pairs, stored in the metadata
     source:str="pairs",         # "pairs", or "shuffled" for the label-shuffled control
 )->VHack:
     "v_hack per module: top-k right singular vectors of the per-pair gradient differences, oriented by majority vote."
+    length_norm = _check_loss(loss, length_norm)
     if not isinstance(pairs, BatchedSequences): pairs = pair_sequences(pairs, sp.tokenizer.pad_token_id)
     diffs = pair_gradient_differences(sp, adapter, pairs, loss, length_norm, max_len)
     V, S, vote = v_hack_from_differences(diffs, k)
@@ -535,11 +246,12 @@ def extract_v_hack(
     return VHack(V, meta, S, vote)
 
 def random_v_hack(adapter:Adapter, k:int=1, seed:int=0) -> VHack:
-    "Control: a random orthonormal basis of the same k per module (QR of a Gaussian)."
+    "Control: a random orthonormal basis of the same k per module, uniformly distributed (QR of a Gaussian, signs fixed)."
     gen, V = torch.Generator().manual_seed(seed), {}
     for n, dim in adapter.dims.items():
         if not (isinstance(k, int) and 1 <= k <= dim): raise ValueError(f"k={k!r}: module {n} has dimension {dim}, so k must lie in [1, {dim}]")
-        V[n] = torch.linalg.qr(torch.randn(dim, k, generator=gen, dtype=torch.float64))[0].T.float().contiguous()
+        Q, R = torch.linalg.qr(torch.randn(dim, k, generator=gen, dtype=torch.float64))
+        V[n] = (Q * torch.sign(torch.diagonal(R))).T.float().contiguous()   # without the signs Q leans to one side
     return VHack(V, dict(adapter=adapter.signature(), k=k, source="random", seed=seed,
                          date=datetime.now(timezone.utc).isoformat(timespec="seconds")))
 
@@ -575,7 +287,7 @@ def project_grad(
 )->tuple[dict, dict]:           # projected grads (same shapes), stats: COS_KEYS _in/_out, frac_fired, NULL_KEYS, c_in/c_out {module: [k_m]}
     "Remove the gated components of each module's gradient along its v_hack rows; stats before and after."
     V = V.V if isinstance(V, VHack) else V
-    if gate not in GATES: raise ValueError(f"gate={gate!r}: expected one of {GATES}")
+    check_choice("gate", gate, GATES)
     if not (isinstance(overshoot, (int, float)) and 0 <= overshoot < math.inf):
         raise ValueError(f"overshoot={overshoot!r}: expected a finite number >= 0")
     if set(grads) != set(V): raise ValueError(f"modules {sorted(set(grads) ^ set(V))} are in only one of grads and V")
@@ -614,7 +326,7 @@ class ProjectionArm:
         if v_hack is not None:
             if adapter is None: raise ValueError("a v_hack needs the adapter it was extracted on")
             v_hack = v_hack.check(adapter).to(adapter.parameters()[0].device)
-        if gate not in GATES: raise ValueError(f"gate={gate!r}: expected one of {GATES}")
+        check_choice("gate", gate, GATES)
         self.arm, self.adapter, self.v_hack, self.gate, self.overshoot = arm, adapter, v_hack, gate, overshoot
         self.last = {}
 

@@ -6,60 +6,56 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/rb_entropy.html.md"""
 
 # %% ../nbs/01_rb_entropy.ipynb #fc172ac0
 from __future__ import annotations
-import math, numbers
+import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .utils import check_range
+
 # %% auto #0
-__all__ = ['naive_sampling_mask', 'sampling_mask', 'truncated_log_softmax', 'naive_sampling_logprobs', 'sampling_logprobs',
-           'naive_rb_entropy', 'rb_entropy']
+__all__ = ['check_sampling', 'warped_logits', 'naive_sampling_mask', 'token_stats', 'sampling_mask', 'sampling_logprobs',
+           'rb_entropy', 'truncated_log_softmax', 'naive_sampling_logprobs', 'naive_rb_entropy']
 
 # %% ../nbs/01_rb_entropy.ipynb #f691cd11
-def _check_knobs(temperature, top_p, top_k, min_tokens_to_keep=1, chunk_size=1):
+def check_sampling(temperature, top_p, top_k, min_tokens_to_keep=1):
     "Raise a ValueError naming the first sampling knob out of its range."
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < math.inf:
-        raise ValueError(f"temperature={temperature!r}: expected a finite number > 0")
-    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p!r}: expected 0 < top_p <= 1")
-    for name, v, lo, note in (("top_k", top_k, 0, " (0 = off)"), ("min_tokens_to_keep", min_tokens_to_keep, 1, ""),
-                              ("chunk_size", chunk_size, 1, "")):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
-            raise ValueError(f"{name}={v!r}: expected an integer >= {lo}{note}")
+    check_range("temperature", temperature, 0, lo_open=True)
+    check_range("top_p", top_p, 0, 1, lo_open=True)
+    check_range("top_k", top_k, 0, integer=True)
+    check_range("min_tokens_to_keep", min_tokens_to_keep, 1, integer=True)
 
 def _fdtype(t:Tensor) -> torch.dtype:
     "float32 for every input dtype except float64 (kept for gradcheck)."
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
-def _scaled(logits:Tensor, temperature:float) -> Tensor:
+def _scaled(logits:Tensor, temperature:float, inplace:bool=False) -> Tensor:
     "logits as float32 (float64 stays float64) divided by the temperature, exactly as `generate` warps them."
     x = logits.to(_fdtype(logits))
-    return x / temperature if temperature != 1 else x
+    if temperature == 1: return x
+    return x.div_(temperature) if inplace or x is not logits else x / temperature
 
 # %% ../nbs/01_rb_entropy.ipynb #e5d0bd53
-def naive_sampling_mask(
+def warped_logits(
     logits:Tensor,           # [..., V]
-    temperature:float=1.,    # divides the float32 logits first
-    top_p:float=1.,          # nucleus mass in (0, 1]; the crossing token is kept
-    top_k:int=0,             # keep the top_k largest logits (ties kept); 0 = off
+    temperature:float=1.,
+    top_p:float=1.,
+    top_k:int=0,
     min_tokens_to_keep:int=1,
-)->Tensor:                   # [..., V] bool
-    "Reference kept set by a full sort, as transformers' warpers compute it: top-k, then top-p."
-    _check_knobs(temperature, top_p, top_k, min_tokens_to_keep)
-    x = _scaled(logits, temperature)
-    keep = torch.ones_like(x, dtype=torch.bool)
-    if top_k:
-        keep = x >= x.topk(min(max(top_k, min_tokens_to_keep), x.shape[-1])).values[..., -1:]
-        x = x.masked_fill(~keep, -math.inf)
-    if top_p < 1:
-        v, i = x.sort(-1)                                 # ascending, as TopPLogitsWarper sorts (same order among ties)
-        kept = v.softmax(-1).cumsum(-1) > 1 - top_p       # mass at or below > 1 − top_p ⇔ mass strictly above < top_p
-        kept[..., -min_tokens_to_keep:] = True
-        keep = torch.zeros_like(kept).scatter(-1, i, kept)
-    return keep
+)->Tensor:                   # [..., V] float32 (float64 stays) scaled logits, −inf outside the kept set
+    "transformers' own warpers in `generate`'s order: temperature → top-k → top-p (a full sort; the reference)."
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+    check_sampling(temperature, top_p, top_k, min_tokens_to_keep)
+    x = _scaled(logits, temperature).reshape(-1, logits.shape[-1])
+    if top_k: x = TopKLogitsWarper(top_k, min_tokens_to_keep=min_tokens_to_keep)(None, x)
+    if top_p < 1: x = TopPLogitsWarper(top_p, min_tokens_to_keep=min_tokens_to_keep)(None, x)
+    return x.view(logits.shape)
+
+def naive_sampling_mask(logits:Tensor, temperature:float=1., top_p:float=1., top_k:int=0, min_tokens_to_keep:int=1) -> Tensor:
+    "Reference kept set [..., V] bool: the tokens transformers' warpers leave finite."
+    return warped_logits(logits, temperature, top_p, top_k, min_tokens_to_keep) != -math.inf
 
 # %% ../nbs/01_rb_entropy.ipynb #7e6801dd
 _WINDOW = 16      # first top-k window (+1); rows whose nucleus reaches its edge retry with 8× the window, …, the whole row
@@ -138,90 +134,36 @@ def _nucleus_mask(x:Tensor, nuc:_Nucleus) -> Tensor:
     return keep
 
 # %% ../nbs/01_rb_entropy.ipynb #4cec4d93
-def sampling_mask(
-    logits:Tensor,            # [..., V] raw logits (any float dtype)
-    temperature:float=1.,     # divides the float32 logits before truncation
-    top_p:float=1.,           # nucleus mass in (0, 1]; the crossing token is kept
-    top_k:int=0,              # keep the top_k largest logits (ties kept); 0 = off
-    min_tokens_to_keep:int=1, # as in transformers' warpers
-    chunk_size:int=64,        # rows processed at a time
-)->Tensor:                    # [..., V] bool: the tokens `generate` can sample
-    "Kept set of temperature → top-k → top-p, equal to transformers' warpers; no full sort. Naive: `naive_sampling_mask`."
-    _check_knobs(temperature, top_p, top_k, min_tokens_to_keep, chunk_size)
-    if top_p == 1 and top_k == 0: return torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
-    flat = logits.detach().reshape(-1, logits.shape[-1])
-    keep = torch.empty(flat.shape, dtype=torch.bool, device=logits.device)
-    for s in range(0, flat.shape[0], chunk_size):
-        x = _scaled(flat[s:s + chunk_size], temperature)
-        keep[s:s + chunk_size] = _nucleus_mask(x, _nucleus(x, top_p, top_k, min_tokens_to_keep))
-    return keep.view(logits.shape)
-
-# %% ../nbs/01_rb_entropy.ipynb #dc414d90
-def truncated_log_softmax(
-    logits:Tensor,         # [..., V]
-    temperature:float=1.,
-    top_p:float=1.,
-    top_k:int=0,
-    keep:Tensor|None=None, # [..., V] bool kept set to use instead of top-k/top-p
-)->Tensor:                 # [..., V] float32 log q, −inf outside the kept set
-    "log-softmax of logits / T renormalised over the kept set (`sampling_mask` unless `keep` is given)."
-    _check_knobs(temperature, top_p, top_k)
-    keep = sampling_mask(logits, temperature, top_p, top_k) if keep is None else _checked_keep(keep, logits)
-    return _scaled(logits, temperature).masked_fill(~keep, -math.inf).log_softmax(-1)
-
-def _checked_keep(keep:Tensor, logits:Tensor) -> Tensor:
-    if keep.dtype != torch.bool or keep.shape != logits.shape:
-        raise ValueError(f"keep: {keep.dtype} {tuple(keep.shape)}, expected torch.bool {tuple(logits.shape)} like logits")
-    return keep
-
-def naive_sampling_logprobs(logits:Tensor, tokens:Tensor, temperature:float=1., top_p:float=1., top_k:int=0) -> Tensor:
-    "Reference log q of tokens [...]: gather from the truncated log-softmax of the sort-based kept set."
-    keep = naive_sampling_mask(logits, temperature, top_p, top_k)
-    return truncated_log_softmax(logits, temperature, keep=keep).gather(-1, tokens[..., None])[..., 0]
-
-# %% ../nbs/01_rb_entropy.ipynb #6621fcd9
-def _kept_stats(vals:Tensor, n:Tensor) -> tuple[Tensor, Tensor]:
-    "(logsumexp, entropy) of softmax over the first n[j] entries of row j of vals [g, K] (graph-carrying)."
-    xs = vals.masked_fill(torch.arange(vals.shape[-1], device=vals.device) >= n[:, None], -math.inf)
-    lse = xs.logsumexp(-1)
-    logq = xs - lse[:, None]
-    q = logq.exp()
-    return lse, -(q * torch.where(q > 0, logq, 0.)).sum(-1)
-
-def _mask_lists(keep:Tensor) -> tuple[Tensor, Tensor]:
-    "Index lists [c, K] (zero-padded) and sizes [c] of an explicit kept set keep [c, V]."
+def _mask_lists(keep:Tensor) -> Tensor:
+    "Token-id lists [c, K] (−1 padded) of an explicit kept set keep [c, V] bool."
     n = keep.sum(-1)
     if (n == 0).any(): raise ValueError(f"keep has an empty kept set in row {int((n == 0).nonzero()[0])}: expected >= 1 token")
     r, col = keep.nonzero(as_tuple=True)
-    idx = torch.zeros(keep.shape[0], int(n.max()), dtype=torch.long, device=keep.device)
+    idx = torch.full((keep.shape[0], int(n.max())), -1, dtype=torch.long, device=keep.device)
     idx[r, torch.arange(r.numel(), device=keep.device) - (n.cumsum(0) - n)[r]] = col
-    return idx, n
+    return idx
 
-def _kept_indices(x:Tensor, top_p:float, top_k:int, lse:Tensor|None=None, chunk_size:int=64) -> Tensor:
+def _kept_indices(x:Tensor, top_p:float, top_k:int, lse:Tensor|None=None, min_keep:int=1, chunk_size:int=64) -> Tensor:
     """The warpers' kept sets of x [c, V] (scaled logits, no grad) as token ids [c, K_max], −1 padded, without a
     [c, V] mask; lse [c] = x.logsumexp(-1) if known. Rows with a split tie list the warper's choice among the ties."""
     starts = range(0, x.shape[0], chunk_size)
-    nucs = [_nucleus(x[s:s + chunk_size], top_p, top_k, lse=None if lse is None else lse[s:s + chunk_size]) for s in starts]
+    nucs = [_nucleus(x[s:s + chunk_size], top_p, top_k, min_keep, None if lse is None else lse[s:s + chunk_size])
+            for s in starts]
     n = torch.cat([u.n for u in nucs]) if nucs else x.new_zeros(0, dtype=torch.long)
     idx = torch.full((x.shape[0], int(n.max()) if nucs else 0), -1, dtype=torch.long, device=x.device)
     for s, u in zip(starts, nucs):
         for rows, i in u.groups: idx[s + rows, :i.shape[1]] = i
         t = u.tied.nonzero()[:, 0]
         if t.numel():
-            ti = _mask_lists(_sorted_kept(x[s + t], u.n[t], u.floor[t]))[0]
+            ti = _mask_lists(_sorted_kept(x[s + t], u.n[t], u.floor[t]))
             idx[s + t, :ti.shape[1]] = ti
     return idx.masked_fill_(torch.arange(idx.shape[1], device=x.device) >= n[:, None], -1)
 
-def _chunk_stats(chunk:Tensor, kc:Tensor|None, temperature, top_p, top_k):
-    "Scaled logits (no grad), _Nucleus (None for an explicit kept set kc) and graph-carrying (lse, H) of a chunk [c, V]."
-    x = _scaled(chunk.detach(), temperature)
-    if kc is None: nuc = _nucleus(x, top_p, top_k); n, groups = nuc.n, nuc.groups
-    else: nuc, (idx, n) = None, _mask_lists(kc); groups = [(torch.arange(len(x), device=x.device), idx)]
-    parts = [(rows, *_kept_stats(_scaled(chunk[rows[:, None], idx], temperature), n[rows])) for rows, idx in groups]
-    order = torch.cat([r for r, _, _ in parts]).argsort()
-    return x, nuc, torch.cat([l for _, l, _ in parts])[order], torch.cat([h for _, _, h in parts])[order]
+def _listed_mask(idx:Tensor, V:int) -> Tensor:
+    "[c, V] bool of −1-padded token-id lists idx [c, K]."
+    return torch.zeros(idx.shape[0], V + 1, dtype=torch.bool, device=idx.device).scatter_(1, idx.where(idx >= 0, V), True)[:, :V]
 
-# %% ../nbs/01_rb_entropy.ipynb #51a23b0b
+# %% ../nbs/01_rb_entropy.ipynb #dc414d90
 class _FullStats(torch.autograd.Function):
     "(logsumexp, entropy) of softmax(logits / T) over the whole vocabulary, chunked; backward recomputes p per chunk."
     @staticmethod
@@ -245,11 +187,82 @@ class _FullStats(torch.autograd.Function):
             sl = slice(s, s + ctx.chunk_size)
             logp = _scaled(flat[sl], ctx.temperature) - lse[sl, None]
             p = logp.exp()
-            dlogp = torch.where(p > 0, logp + H[sl, None], 0.)
-            grad[sl] = p * (g_lse[sl, None] - g_H[sl, None] * dlogp) / ctx.temperature
+            grad[sl] = p * (g_lse[sl, None] - g_H[sl, None] * torch.where(p > 0, logp + H[sl, None], 0.)) / ctx.temperature
         return grad, None, None
 
+# %% ../nbs/01_rb_entropy.ipynb #6621fcd9
+def token_stats(
+    x:Tensor,                  # [c, V] float32 (or float64) logits / temperature; gradients flow to them
+    tokens:Tensor|None=None,   # [c] realised tokens; None: entropies only
+    top_p:float=1.0,
+    top_k:int=0,
+    support:Tensor|None=None,  # [c, K] kept sets as token ids (−1 padded) to use instead of top-k/top-p
+    rb:bool=True,              # the RB entropy of the kept set
+    full:bool=False,           # the full-vocabulary entropy and log p (diagnostics, detached)
+    return_support:bool=False, # the kept sets used (support, or the searched ones)
+    min_keep:int=1,            # min_tokens_to_keep
+) -> dict:                     # logq, outside [c] (with tokens); rb [c]; full, logp_full [c]; support [c, K]
+    "log q of the realised tokens, RB and full-vocabulary entropies, and the kept sets, for one chunk of positions."
+    truncated = support is not None or top_p < 1 or top_k > 0
+    if full or (rb and not truncated): lse, h_full = _FullStats.apply(x, 1.0, 64)
+    else: lse, h_full = (x.detach() if truncated else x).logsumexp(-1), None
+    lse_s, h, idx, out = lse, h_full, None, {}
+    if truncated:
+        lse = lse.detach()                           # log q and H over S do not depend on the full lse
+        idx = support if support is not None else _kept_indices(x.detach(), top_p, top_k, lse, min_keep)
+        if tokens is not None:
+            outside = ~(idx == tokens[:, None]).any(-1)
+            if outside.any(): idx = torch.cat([idx, tokens.masked_fill(~outside, -1)[:, None]], 1)   # never excluded
+            out["outside"] = outside
+        valid = idx >= 0
+        rows = torch.arange(x.shape[0], device=x.device)[:, None]
+        y = x[rows, idx.clamp(min=0)] - lse[:, None]                      # [c, K] log p of the kept tokens (indexing, not
+                                                                           # gather: its backward keeps no [c, V] copy)
+        e = torch.where(valid, y.exp(), 0.)
+        z = e.sum(-1)
+        lse_s, h = lse + z.log(), z.log() - torch.where(valid, e * y, 0.).sum(-1) / z
+    if tokens is not None:
+        x_y = x[torch.arange(x.shape[0], device=x.device), tokens]
+        out["logq"] = x_y - lse_s
+        out.setdefault("outside", torch.zeros_like(tokens, dtype=torch.bool))
+        if full: out["logp_full"] = (x_y - lse).detach()
+    if rb: out["rb"] = h
+    if full: out["full"] = h_full
+    if return_support: out["support"] = idx
+    return out
+
 # %% ../nbs/01_rb_entropy.ipynb #2e6e1551
+def _chunks(logits:Tensor, temperature, chunk_size, keep, tokens=None):
+    "(slice, scaled logits [c, V], kept-set lists [c, K] or None, tokens [c] or None) per chunk of rows of logits [..., V]."
+    check_range("chunk_size", chunk_size, 1, integer=True)
+    flat = logits.reshape(-1, logits.shape[-1])
+    if keep is not None and (keep.dtype != torch.bool or keep.shape != logits.shape):
+        raise ValueError(f"keep: {keep.dtype} {tuple(keep.shape)}, expected torch.bool {tuple(logits.shape)} like logits")
+    kflat = None if keep is None else keep.reshape(flat.shape)
+    tflat = None if tokens is None else tokens.reshape(-1).long()
+    for s in range(0, flat.shape[0], chunk_size):
+        sl = slice(s, s + chunk_size)
+        yield (sl, _scaled(flat[sl], temperature), None if kflat is None else _mask_lists(kflat[sl]),
+               None if tflat is None else tflat[sl])
+
+def sampling_mask(
+    logits:Tensor,            # [..., V] raw logits (any float dtype)
+    temperature:float=1.,     # divides the float32 logits before truncation
+    top_p:float=1.,           # nucleus mass in (0, 1]; the crossing token is kept
+    top_k:int=0,              # keep the top_k largest logits (ties kept); 0 = off
+    min_tokens_to_keep:int=1, # as in transformers' warpers
+    chunk_size:int=64,        # rows processed at a time
+)->Tensor:                    # [..., V] bool: the tokens `generate` can sample
+    "Kept set of temperature → top-k → top-p, equal to transformers' warpers; no full sort. Naive: `naive_sampling_mask`."
+    check_sampling(temperature, top_p, top_k, min_tokens_to_keep)
+    keep = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+    if top_p == 1 and top_k == 0: return keep
+    flat = keep.view(-1, logits.shape[-1])
+    for sl, x, _, _ in _chunks(logits.detach(), temperature, chunk_size, None):
+        flat[sl] = _listed_mask(_kept_indices(x, top_p, top_k, min_keep=min_tokens_to_keep), x.shape[1])
+    return keep
+
+# %% ../nbs/01_rb_entropy.ipynb #acaa4381
 def sampling_logprobs(
     logits:Tensor,               # [..., V] raw logits; gradients flow to them
     tokens:Tensor,               # [...] long token ids
@@ -261,44 +274,22 @@ def sampling_logprobs(
     chunk_size:int=64,           # rows processed at a time
 )->Tensor|tuple[Tensor, Tensor]: # [...] float32 log q (−inf outside the kept set), or (log q, outside [...] bool)
     "log q of tokens under the truncated, renormalised sampling distribution. Naive: `naive_sampling_logprobs`."
-    _check_knobs(temperature, top_p, top_k, chunk_size=chunk_size)
+    check_sampling(temperature, top_p, top_k)
     V = logits.shape[-1]
     if tokens.shape != logits.shape[:-1]:
         raise ValueError(f"tokens has shape {tuple(tokens.shape)}, expected {tuple(logits.shape[:-1])} (logits without V)")
     if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < V:
         raise ValueError(f"tokens range over [{int(tokens.min())}, {int(tokens.max())}]: expected ids in [0, {V})")
-    flat, tok = logits.reshape(-1, V), tokens.reshape(-1, 1).long()
-    x_tok = _scaled(flat.gather(1, tok)[:, 0], temperature)
-    if keep is None and top_p == 1 and top_k == 0:
-        lse, inside = _FullStats.apply(flat, temperature, chunk_size)[0], torch.ones_like(tok[:, 0], dtype=torch.bool)
-    else:
-        kflat = None if keep is None else _checked_keep(keep, logits).reshape(-1, V)
-        lses, ins = [], []
-        for s in range(0, flat.shape[0], chunk_size):
-            x, nuc, l, _ = _chunk_stats(flat[s:s + chunk_size], None if kflat is None else kflat[s:s + chunk_size],
-                                        temperature, top_p, top_k)
-            t, xt = tok[s:s + chunk_size], x_tok[s:s + chunk_size].detach()
-            if nuc is None: i = kflat[s:s + chunk_size].gather(1, t)[:, 0]
-            else:
-                eq = xt == nuc.thr
-                i, split = (xt > nuc.thr) | (eq & ~nuc.tied), eq & nuc.tied
-                if split.any(): i[split] = _sorted_kept(x[split], nuc.n[split], nuc.floor[split]).gather(1, t[split])[:, 0]
-            lses.append(l); ins.append(i)
-        lse, inside = (torch.cat(lses), torch.cat(ins)) if lses else (x_tok.new_zeros(0), tok.new_zeros(0, dtype=torch.bool))
-    shape = logits.shape[:-1]
-    if not include_tokens: return (x_tok - lse).masked_fill(~inside, -math.inf).view(shape)
-    logq = x_tok - torch.where(inside, lse, torch.logaddexp(lse, x_tok))
+    parts = [token_stats(x, t, top_p, top_k, sup, rb=False)
+             for _, x, sup, t in _chunks(logits, temperature, chunk_size, keep, tokens)]
+    logq = torch.cat([p["logq"] for p in parts]) if parts else logits.new_zeros(0, dtype=_fdtype(logits))
+    outside = torch.cat([p["outside"] for p in parts]) if parts else torch.zeros(0, dtype=torch.bool)
+    if not include_tokens: return logq.masked_fill(outside, -math.inf).view(tokens.shape)
     if torch.isneginf(logq).any():
         raise ValueError(f"{int(torch.isneginf(logq).sum())} tokens have logit −inf: they cannot be put in the kept set")
-    return logq.view(shape), (~inside).view(shape)
+    return logq.view(tokens.shape), outside.view(tokens.shape)
 
-# %% ../nbs/01_rb_entropy.ipynb #55ff804f
-def naive_rb_entropy(logits:Tensor, temperature:float=1., top_p:float=1., top_k:int=0) -> Tensor:
-    "Reference entropy [...] (nats): −Σ q log q over the vocabulary, q from the sort-based kept set."
-    logq = truncated_log_softmax(logits, temperature, keep=naive_sampling_mask(logits, temperature, top_p, top_k))
-    q = logq.exp()
-    return -(q * torch.where(q > 0, logq, 0.)).sum(-1)
-
+# %% ../nbs/01_rb_entropy.ipynb #99f4ee0d
 def rb_entropy(
     logits:Tensor,          # [..., V] raw logits (float32, bfloat16, float64); gradients flow to them
     temperature:float=1.,   # divides logits before truncation
@@ -308,11 +299,31 @@ def rb_entropy(
     keep:Tensor|None=None,  # [..., V] bool kept set to use instead of top-k/top-p ("fixed support")
 )->Tensor:                  # [...] float32 entropy in nats of the sampled distribution
     "Entropy of the temperature-scaled, top-k/top-p truncated distribution; differentiable. Naive: `naive_rb_entropy`."
-    _check_knobs(temperature, top_p, top_k, chunk_size=chunk_size)
-    flat = logits.reshape(-1, logits.shape[-1])
-    if keep is None and top_p == 1 and top_k == 0:
-        return _FullStats.apply(flat, temperature, chunk_size)[1].view(logits.shape[:-1])
-    kflat = None if keep is None else _checked_keep(keep, logits).reshape(flat.shape)
-    H = [_chunk_stats(flat[s:s + chunk_size], None if kflat is None else kflat[s:s + chunk_size],
-                      temperature, top_p, top_k)[3] for s in range(0, flat.shape[0], chunk_size)]
-    return (torch.cat(H) if H else flat.new_zeros(0, dtype=_fdtype(flat))).view(logits.shape[:-1])
+    check_sampling(temperature, top_p, top_k)
+    if keep is None and top_p == 1 and top_k == 0:      # the raw logits are all the backward keeps
+        check_range("chunk_size", chunk_size, 1, integer=True)
+        return _FullStats.apply(logits.reshape(-1, logits.shape[-1]), temperature, chunk_size)[1].view(logits.shape[:-1])
+    H = [token_stats(x, None, top_p, top_k, sup)["rb"] for _, x, sup, _ in _chunks(logits, temperature, chunk_size, keep)]
+    return (torch.cat(H) if H else logits.new_zeros(0, dtype=_fdtype(logits))).view(logits.shape[:-1])
+
+def truncated_log_softmax(
+    logits:Tensor,         # [..., V]
+    temperature:float=1.,
+    top_p:float=1.,
+    top_k:int=0,
+    keep:Tensor|None=None, # [..., V] bool kept set to use instead of top-k/top-p
+)->Tensor:                 # [..., V] float32 log q, −inf outside the kept set
+    "log-softmax of logits / T renormalised over the kept set (`sampling_mask` unless `keep` is given)."
+    keep = sampling_mask(logits, temperature, top_p, top_k) if keep is None else keep
+    return _scaled(logits, temperature).masked_fill(~keep, -math.inf).log_softmax(-1)
+
+# %% ../nbs/01_rb_entropy.ipynb #aa3e87e7
+def naive_sampling_logprobs(logits:Tensor, tokens:Tensor, temperature:float=1., top_p:float=1., top_k:int=0) -> Tensor:
+    "Reference log q of tokens [...]: gather from the log-softmax of transformers' warped logits."
+    return warped_logits(logits, temperature, top_p, top_k).log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+
+def naive_rb_entropy(logits:Tensor, temperature:float=1., top_p:float=1., top_k:int=0) -> Tensor:
+    "Reference entropy [...] (nats): −Σ q log q over the vocabulary, q from transformers' warped logits."
+    logq = warped_logits(logits, temperature, top_p, top_k).log_softmax(-1)
+    q = logq.exp()
+    return -(q * torch.where(q > 0, logq, 0.)).sum(-1)

@@ -6,24 +6,22 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/sequence_processor.html.md"""
 
 # %% ../nbs/00_sequence_processor.ipynb #9e7bb3c6
 from __future__ import annotations
-import logging, math, time
+import math, time, warnings
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .policies import load_policy, tiny_policy
-from .rb_entropy import _FullStats, _kept_indices, sampling_mask
+from .policies import load_policy, prepare_tokenizer, tiny_policy
+from .rb_entropy import _scaled, check_sampling, token_stats
+from .utils import check_range, tqdm_disable
 
 # %% auto #0
-__all__ = ['log', 'PROBE_BATCH_KEYS', 'GenerationConfig', 'check_sampling', 'BatchedSequences', 'pack_sequences',
-           'LogprobResults', 'completion_mask', 'hf_generation_config', 'own_generation_config', 'token_stats',
-           'SequenceProcessor', 'check_probe_batch', 'make_probe_batch', 'to_batched_sequences']
-
-# %% ../nbs/00_sequence_processor.ipynb #09628449
-log = logging.getLogger(__name__)
+__all__ = ['PROBE_BATCH_KEYS', 'GenerationConfig', 'BatchedSequences', 'pack_sequences', 'LogprobResults', 'completion_mask',
+           'hf_generation_config', 'own_generation_config', 'SequenceProcessor', 'check_probe_batch',
+           'make_probe_batch', 'to_batched_sequences', 'as_batched_sequences']
 
 # %% ../nbs/00_sequence_processor.ipynb #6063bbdd
 @dataclass
@@ -45,18 +43,11 @@ class GenerationConfig:
             self.max_new_tokens, self.max_completion_length = self.max_completion_length, None
         check_sampling(self.temperature, self.top_p, self.top_k)
         for name in ("max_new_tokens", "num_generations", "gen_batch_size", "tf_batch_size", "head_chunk_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1: raise ValueError(f"{name}={v!r}: expected an integer >= 1")
+            check_range(name, getattr(self, name), 1, integer=True)
+        check_range("seed", self.seed, 0, integer=True)
 
     @property
     def G(self) -> int: return self.num_generations
-
-def check_sampling(temperature, top_p, top_k):
-    "Raise a ValueError naming the value when a sampling knob is out of range."
-    if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature={temperature!r}: expected a finite number > 0")
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1): raise ValueError(f"top_p={top_p!r}: expected 0 < top_p <= 1")
-    if not (isinstance(top_k, int) and top_k >= 0): raise ValueError(f"top_k={top_k!r}: expected an integer >= 0 (0 = off)")
 
 # %% ../nbs/00_sequence_processor.ipynb #7daf0584
 @dataclass
@@ -109,13 +100,19 @@ def pack_sequences(
 @dataclass
 class LogprobResults:
     logprobs:Tensor          # [B, G, T_gen] log q(y_t): realised token under the truncated sampling distribution
-    entropies:Tensor         # [B, G, T_gen] naive surprisal −log q(y_t), detached
+    surprisals:Tensor        # [B, G, T_gen] −log q(y_t), detached (the naive, one-sample entropy estimate)
     rb_entropies:Tensor|None # [B, G, T_gen] entropy of the truncated per-step distribution, detached
     gen_mask:Tensor          # [B, G, T_gen] bool: real completion tokens (EOS included)
     rb_entropies_torch:Tensor|None=None  # graph-carrying RB entropies (with_grad and rb_requires_grad)
     full_entropies:Tensor|None=None      # [B, G, T_gen] full-vocabulary entropy of logits / T (diagnostic), detached
     full_logprobs:Tensor|None=None       # [B, G, T_gen] full-vocabulary log p(y_t) of logits / T, detached
     outside_support:Tensor|None=None     # [B, G, T_gen] bool: y_t lay outside its kept set (then put back in; counted)
+
+    @property
+    def entropies(self) -> Tensor:
+        "Deprecated name of `surprisals` (kept for one release)."
+        warnings.warn("LogprobResults.entropies is renamed surprisals", DeprecationWarning, stacklevel=2)
+        return self.surprisals
 
     @property
     def sequence_logprobs(self) -> Tensor:  # [B, G] Σ_t log q(y_t)
@@ -128,7 +125,7 @@ class LogprobResults:
     def to_lists(self) -> dict:
         "Per-prompt, per-generation view: {name: [B][G] 1-D tensors of the completion's length}."
         B, G, _ = self.gen_mask.shape
-        names = [n for n in ("logprobs", "entropies", "rb_entropies", "full_entropies") if getattr(self, n) is not None]
+        names = [n for n in ("logprobs", "surprisals", "rb_entropies", "full_entropies") if getattr(self, n) is not None]
         return {n: [[getattr(self, n)[b, g][self.gen_mask[b, g]] for g in range(G)] for b in range(B)] for n in names}
 
 # %% ../nbs/00_sequence_processor.ipynb #9879eb24
@@ -169,36 +166,6 @@ def own_generation_config(model):
     finally: target.generation_config = saved
 
 # %% ../nbs/00_sequence_processor.ipynb #717b96ce
-def token_stats(
-    x:Tensor,              # [c, V] float32 logits / temperature
-    tokens:Tensor,         # [c] realised tokens
-    top_p:float=1.0,
-    top_k:int=0,
-    support:Tensor|None=None,  # [c, K] kept-set token ids (−1 padded) to use instead of truncating x
-    compute_rb:bool=True,
-    return_support:bool=False,
-) -> dict:
-    "log q of the realised tokens, RB and full-vocab entropies, and the kept sets, for one chunk of positions."
-    c = x.shape[0]
-    lse, h_full = _FullStats.apply(x, 1.0, 64) if compute_rb else (x.logsumexp(-1), None)
-    x_y = x.gather(1, tokens[:, None])[:, 0]
-    lse_s, h, outside, idx = lse, h_full, torch.zeros(c, dtype=torch.bool, device=x.device), None
-    if support is not None or top_p < 1 or top_k > 0:
-        idx = support if support is not None else _kept_indices(x.detach(), top_p, top_k, lse.detach())
-        outside = ~(idx == tokens[:, None]).any(-1)
-        if outside.any(): idx = torch.cat([idx, tokens.masked_fill(~outside, -1)[:, None]], 1)   # never excluded
-        valid = idx >= 0
-        y = x.gather(1, idx.clamp(min=0)) - lse[:, None]                 # [c, K] log p of the kept tokens
-        e = torch.where(valid, y.exp(), 0.)
-        z = e.sum(-1)
-        logz = z.log()
-        lse_s, h = lse + logz, logz - torch.where(valid, e * y, 0.).sum(-1) / z
-    out = dict(logq=x_y - lse_s, outside=outside)
-    if compute_rb: out.update(rb=h, full=h_full, logp_full=(x_y - lse).detach())
-    if return_support: out["support"] = idx
-    return out
-
-# %% ../nbs/00_sequence_processor.ipynb #ba79b783
 class _HeadScorer(nn.Module):
     "Decoder once, LM head per chunk of completion positions; a module so functional_call can override parameters."
     def __init__(self, model): super().__init__(); self.model = model
@@ -215,12 +182,9 @@ class _HeadScorer(nn.Module):
         for s in range(0, h.shape[0], cfg.head_chunk_size):
             sl = slice(s, s + cfg.head_chunk_size)
             def score(hc, sl=sl):
-                logits = _final_logits(self.model, head(hc))
-                x = logits.to(torch.promote_types(logits.dtype, torch.float32))   # float32, or float64
-                x = x.div_(cfg.temperature) if cfg.temperature != 1 else x         # in place: one [c, V] tensor
-                st = token_stats(x, tokens[sl], cfg.top_p, cfg.top_k, None if support is None else support[sl],
-                                 compute_rb, return_support)
-                return st
+                x = _scaled(_final_logits(self.model, head(hc)), cfg.temperature, inplace=True)   # one [c, V] tensor
+                return token_stats(x, tokens[sl], cfg.top_p, cfg.top_k, None if support is None else support[sl],
+                                   rb=compute_rb, full=compute_rb, return_support=return_support)
             chunks.append(torch.utils.checkpoint.checkpoint(score, h[sl], use_reentrant=False) if checkpoint else score(h[sl]))
         out = {k: torch.cat([c[k] for c in chunks]) for k in chunks[0] if k != "support"}
         if return_support:
@@ -247,10 +211,7 @@ class SequenceProcessor:
         self.model, self.tokenizer = model, tokenizer
         self.config = config if config is not None else GenerationConfig()
         self.progress = progress    # tqdm: None = only on a terminal
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-            log.info("tokenizer has no pad token: using eos %r as pad (masks stop after the first EOS)", tokenizer.eos_token)
-        tokenizer.padding_side = "left"
+        prepare_tokenizer(tokenizer)
 
     @property
     def device(self): return next(self.model.parameters()).device
@@ -304,7 +265,7 @@ class SequenceProcessor:
         devices = [self.device] if self.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices):
-                for ci, s in enumerate(tqdm(range(0, B, per_call), desc="generate", disable=_no_bar(self.progress),
+                for ci, s in enumerate(tqdm(range(0, B, per_call), desc="generate", disable=tqdm_disable(self.progress),
                                             mininterval=5)):
                     torch.manual_seed(seed * 1_000_003 + ci)
                     pb, ab = prompt_block[s:s + per_call], attn_block[s:s + per_call]
@@ -335,6 +296,7 @@ class SequenceProcessor:
         support:Tensor|None=None,  # [M, K] kept sets from an earlier call's diagnostics["support"] (fixed-support scoring)
         return_support:bool=False, # put the kept sets used into diagnostics["support"]
         checkpoint:bool|None=None, # recompute each head chunk in backward (default: with_grad)
+        rb_grad:bool|None=None,    # RB entropies carry the graph (with_grad only); default config.rb_requires_grad
     )->tuple[LogprobResults, dict]:
         "Score the completions of `seqs` under the sampling distribution; chunked over sequences and head positions."
         cfg = self.config
@@ -347,12 +309,12 @@ class SequenceProcessor:
         Tg = T - int(min(seqs.prompt_lens))
         scorer = _HeadScorer(self.model)
         over = None if params_override is None else {"model." + k: v for k, v in params_override.items()}
-        rb_grad = with_grad and cfg.rb_requires_grad
+        rb_grad = with_grad and (cfg.rb_requires_grad if rb_grad is None else rb_grad)
         checkpoint = with_grad if checkpoint is None else checkpoint
         parts = {k: [] for k in ("rows", "cols", "logq", "outside", "rb", "full", "logp_full")}
         supports, offset, t0 = [], 0, time.time()
         with (nullcontext() if with_grad else torch.no_grad()):
-            for s in tqdm(range(0, N, cfg.tf_batch_size), desc="teacher-force", disable=_no_bar(self.progress), mininterval=5):
+            for s in tqdm(range(0, N, cfg.tf_batch_size), desc="teacher-force", disable=tqdm_disable(self.progress), mininterval=5):
                 e = min(N, s + cfg.tf_batch_size)
                 a, m = flat_attn[s:e], gmask[s:e]
                 cols = (a.bool() | m).any(0).nonzero().squeeze(1)
@@ -375,7 +337,7 @@ class SequenceProcessor:
         mask = place(torch.ones_like(rows, dtype=torch.bool))
         rb = place(torch.cat(parts["rb"])) if compute_rb else None
         outside = place(torch.cat(parts["outside"]))
-        res = LogprobResults(logprobs=logq, entropies=(-logq).detach() * mask, rb_entropies=None if rb is None else rb.detach(),
+        res = LogprobResults(logprobs=logq, surprisals=(-logq).detach() * mask, rb_entropies=None if rb is None else rb.detach(),
                              gen_mask=mask, rb_entropies_torch=rb if rb_grad else None,
                              full_entropies=place(torch.cat(parts["full"])) if compute_rb else None,
                              full_logprobs=place(torch.cat(parts["logp_full"])) if compute_rb else None,
@@ -385,10 +347,6 @@ class SequenceProcessor:
         if return_support:
             diag["support"] = None if supports[0] is None else _cat_padded(supports)
         return res, diag
-
-def _no_bar(progress):
-    "tqdm's `disable`: None hides the bar when not on a terminal."
-    return None if progress is None else not progress
 
 # %% ../nbs/00_sequence_processor.ipynb #cbeedd8e
 PROBE_BATCH_KEYS = ("sequences", "attention_masks", "prompt_lens", "advantages", "max_lengths", "prompt_ids",
@@ -419,7 +377,7 @@ def check_probe_batch(batch:dict) -> dict:
 def make_probe_batch(
     seqs:BatchedSequences,
     rewards:Tensor,            # [B, G]
-    advantages:Tensor,         # [B, G] (nb 03's group_advantages)
+    advantages:Tensor,         # [B, G] (`dr_grpo.group_advantages`)
     prompt_ids:list|None=None, # [B] ids of the prompts (default 0..B-1)
     max_new_tokens:int|None=None,  # L_max per prompt (default: the batch's longest completion)
 ) -> dict:
@@ -439,3 +397,12 @@ def to_batched_sequences(batch:dict) -> BatchedSequences:
     pl = [int(p) for p in batch["prompt_lens"]]
     gen_lens = torch.stack([am[b, :, p:].sum(-1) for b, p in enumerate(pl)])
     return BatchedSequences(batch["sequences"], am, pl, gen_lens, batch.get("responses_text"))
+
+def as_batched_sequences(batch, name:str="batch") -> BatchedSequences:
+    "A probe batch dict or BatchedSequences as BatchedSequences; ValueError naming `name` when it is empty or neither."
+    if isinstance(batch, BatchedSequences): seqs = batch
+    elif isinstance(batch, dict): seqs = to_batched_sequences(batch)
+    else: raise ValueError(f"{name}: expected a probe batch dict or BatchedSequences, got {type(batch).__name__}")
+    if seqs.sequences.numel() == 0 or seqs.gen_lens.sum() == 0:
+        raise ValueError(f"{name} is empty: shape {seqs.shape}, {int(seqs.gen_lens.sum())} completion tokens")
+    return seqs

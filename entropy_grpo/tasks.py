@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from .utils import check_choice, check_range
+
 # %% auto #0
 __all__ = ['OPS', 'INSTRUCTION', 'HINT', 'Problem', 'make_arithmetic_problems', 'build_prompt', 'extract_answer', 'to_number',
            'numbers_in', 'number_equal', 'math_equal', 'lenient_match', 'RewardLevels', 'grade', 'GradedBatch',
@@ -48,8 +50,7 @@ def make_arithmetic_problems(
 ) -> list[Problem]:
     "`n` seeded arithmetic problems like 'What is 37 * 12 - 5?' with the exact integer answer."
     for name, value, lo in (("n", n, 1), ("n_operands", n_operands, 2), ("max_value", max_value, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-            raise ValueError(f"{name}={value!r}: expected an integer >= {lo}")
+        check_range(name, value, lo, integer=True)
     if not ops or set(ops) - set(OPS): raise ValueError(f"ops={ops!r}: expected a non-empty subset of {OPS!r}")
     rng, problems = random.Random(seed), []
     for i in range(n):
@@ -200,7 +201,7 @@ def load_jsonl_problems(
     on_error:str="raise",      # "raise": ValueError at the first malformed line; "skip": skip and warn
 ) -> list[Problem]:
     "Problems from a JSONL question/answer file; malformed lines are reported as `file:line`."
-    if on_error not in ("raise", "skip"): raise ValueError(f"on_error={on_error!r}: expected 'raise' or 'skip'")
+    check_choice("on_error", on_error, ("raise", "skip"))
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f"JSONL file not found: {path}")
     problems, skipped = [], []
@@ -234,7 +235,7 @@ class Task:
 
     def sample(self, n:int, rng:random.Random|int=0, replace:bool=False) -> list[Problem]:
         "`n` problems from the pool, distinct unless `replace`."
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1: raise ValueError(f"n={n!r}: expected an integer >= 1")
+        check_range("n", n, 1, integer=True)
         if not replace and n > len(self):
             raise ValueError(f"n={n} exceeds the pool of {len(self)} problems; pass replace=True to allow repeats")
         rng = rng if isinstance(rng, random.Random) else random.Random(rng)

@@ -6,10 +6,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 from scipy.stats import ttest_ind
 
-from entropy_grpo.alignment import (POOL_KEYS, SLIM_KEYS, Pool, alignment_step, build_pool, cosines, fit_hack_teacher,
-                                    grad_norms, hack_demonstration, load_pool, load_slim, mixed_records, per_sample_grads, phase1_bucket, phase1_probe,
-                                    phase1_ttest, replay_batch, sample_contributions, sample_losses, save_step_slim,
-                                    verification_table)
+from entropy_grpo.contributions import (cosines, grad_norms, per_sample_grads, phase1_bucket, phase1_probe,
+                                        phase1_ttest, sample_contributions, sample_losses)
+from entropy_grpo.phase2 import SLIM_KEYS, alignment_step, load_slim, save_step_slim, verification_table
+from entropy_grpo.pools import (POOL_KEYS, Pool, build_pool, fit_hack_teacher, hack_demonstration, load_pool,
+                                mixed_records, replay_batch)
 from entropy_grpo.dr_grpo import dr_grpo_loss, group_advantages, length_normaliser, policy_gradient_backward
 from entropy_grpo.policies import tiny_policy
 from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor
@@ -194,7 +195,7 @@ def test_mixed_records(pools):
     assert [r["src_pool"] for r in recs] == ["teacher"] * 3 + ["base"] * 3
     ids = [(r["src_pool"], r["src_step"], r["src_sample"]) for r in recs]
     assert len(set(ids)) == 6 and mixed_records([teacher, base], 1, 3, seed=5) == recs
-    raises(lambda: mixed_records([teacher, base], 1, 5), "k=5: pool 'teacher' step 1 holds only 4")
+    raises(lambda: mixed_records([teacher, base], 1, 5), "per_pool=5: pool 'teacher' step 1 holds only 4")
     raises(lambda: mixed_records([teacher, base], 7, 2), "step=7: pool 'teacher' has steps [0, 1]")
     seqs = replay_batch([dict(recs[0], prompt="Q"), recs[1]], tiny_policy(0)[1])    # prompts of different lengths
     P = seqs.prompt_lens[0]
@@ -313,7 +314,7 @@ def test_alignment_step_flags_equal_rewards(pools, lora64, tmp_path):
     sp = lora64
     V = {n: torch.ones_like(p) for n, p in trainable(sp.model).items()}
     with pytest.warns(UserWarning, match="no advantage signal"):
-        out = alignment_step(sp, list(pools), 1, sp.model, V, k=2, out_dir=tmp_path/"vanilla")
+        out = alignment_step(sp, list(pools), 1, sp.model, V, per_pool=2, out_dir=tmp_path/"vanilla")
     assert out["flags"] and "no advantage signal" in out["flags"][0] and out["reward_spread"] == 0
     assert all(r["cos_S_contrib"] is None and r["mean_cos_in"] is None for r in out["records"])
     rows, md = verification_table(load_slim(tmp_path), dim=sum(v.numel() for v in V.values()))
@@ -325,12 +326,12 @@ def test_alignment_step_with_projection(pools, lora64, tmp_path):
     sp = lora64
     hp = [with_rewards(pools[0], True), with_rewards(pools[1], False)]
     params = trainable(sp.model)
-    first = alignment_step(sp, hp, 0, params, {n: torch.randn_like(p) for n, p in params.items()}, k=2)
+    first = alignment_step(sp, hp, 0, params, {n: torch.randn_like(p) for n, p in params.items()}, per_pool=2)
     V = {n: g[:2].sum(0) for n, g in first["contributions"].grads.items()}           # the teacher samples' direction
     def project(grads):
         coef = sum((grads[n] * V[n]).sum() for n in V) / sum((V[n] ** 2).sum() for n in V)
         return {n: grads[n] - coef * V[n] for n in grads}, dict(cos_in=None, cos_out=None, frac_fired=torch.tensor(0.75))
-    out = alignment_step(sp, hp, 0, params, V, k=2, arm="delta_s", project=project, out_dir=tmp_path/"delta_s")
+    out = alignment_step(sp, hp, 0, params, V, per_pool=2, arm="delta_s", project=project, out_dir=tmp_path/"delta_s")
     r = out["records"]
     assert not out["flags"] and out["advantages"].tolist() == [1.625, 1.625, -1.625, -1.625]
     g = torch.cat([out["contributions"].grads[n].sum(0).flatten() for n in V]); v = torch.cat([V[n].flatten() for n in V])

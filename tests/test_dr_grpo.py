@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from entropy_grpo.dr_grpo import (TrainConfig, dr_grpo_loss, group_advantages, latest_checkpoint, policy_gradient_backward,
-                                  train)
+from entropy_grpo.dr_grpo import dr_grpo_loss, group_advantages, policy_gradient_backward
+from entropy_grpo.training import TrainConfig, latest_checkpoint, train
 from entropy_grpo.policies import tiny_policy
 from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor
 from gloo import gloo_group, spawn_two
@@ -149,7 +149,7 @@ def test_bad_config_and_non_finite_rewards():
             out = super().grade_batch(responses, problems); out.rewards[0, 0] = math.nan; return out
     model, tok = tiny_policy(0)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(FloatingPointError, match="step 0: the task's rewards contain NaN"):
+    with pytest.raises(FloatingPointError, match="step 0: the rewards contain NaN"):
         train(model, tok, NaNTask(8), _cfg(steps=1, lora_r=None), progress=False)
     assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
 

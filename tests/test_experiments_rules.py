@@ -1,7 +1,8 @@
 "Phase-2 decision rules and the Phase-3 cost ceiling on synthetic metrics: every branch of PHASES.md."
 import pytest
 
-from entropy_grpo.experiments import hack_rate_separation, phase2_decision
+from entropy_grpo.experiments import hack_rate_separation
+from entropy_grpo.phase2 import phase2_decision
 
 ALIGNED = [0.3, 0.25, 0.4, 0.22, 0.35]
 TEACHER, BASE = [0.7, 0.6, 0.8, 0.75], [0.05, -0.02, 0.0, 0.03]

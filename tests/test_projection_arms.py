@@ -6,11 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from entropy_grpo.dr_grpo import TrainConfig, group_advantages, policy_gradient_backward, train
+from entropy_grpo.dr_grpo import group_advantages, policy_gradient_backward
+from entropy_grpo.training import TrainConfig, train
 from entropy_grpo.policies import tiny_policy
-from entropy_grpo.projection_arms import (
-    ProjectionArm, VHack, add_delta_s, add_lora, alignment_stats, clear_svd_cache, extract_v_hack, find_linears,
-    pair_gradient_differences, pair_sequences, planted_pairs, pool_pairs, project_grad, random_v_hack, shuffle_pair_labels)
+from entropy_grpo.adapters import add_delta_s, add_lora, clear_svd_cache, find_linears
+from entropy_grpo.projection_arms import (ProjectionArm, VHack, alignment_stats, extract_v_hack,
+                                          pair_gradient_differences, pair_sequences, planted_pairs, pool_pairs,
+                                          project_grad, random_v_hack, shuffle_pair_labels)
 from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor
 from toy_tasks import DigitTask
 
@@ -447,7 +449,7 @@ def test_smollm2_delta_s_on_attention(tmp_path):
 
 def test_pool_pairs_matches_hacked_teacher_to_clean_base_samples_of_the_same_problem(tmp_path):
     "Pairs only (teacher hacked, base clean) of one problem, each base sample used once, in teacher order."
-    from entropy_grpo.alignment import Pool
+    from entropy_grpo.pools import Pool
     tok = tiny_policy(0)[1]
     rec = lambda pid, hacked, ids: dict(problem_id=pid, hacked=hacked, completion_ids=ids, student_prompt=f"Q{pid}")
     teacher = Pool("teacher", tmp_path, {0: [rec("a", True, [1]), rec("b", True, [2]), rec("c", False, [3])],

@@ -269,13 +269,13 @@ def test_empty_rows():
 
 
 @pytest.mark.parametrize("call,msg", [
-    (lambda x: rb_entropy(x, top_p=0.0), "top_p=0.0: expected 0 < top_p <= 1"),
-    (lambda x: rb_entropy(x, top_p=1.5), "top_p=1.5: expected 0 < top_p <= 1"),
+    (lambda x: rb_entropy(x, top_p=0.0), "top_p=0.0: expected a number in (0, 1]"),
+    (lambda x: rb_entropy(x, top_p=1.5), "top_p=1.5: expected a number in (0, 1]"),
     (lambda x: sampling_mask(x, top_p=float("nan")), "top_p=nan"),
-    (lambda x: sampling_mask(x, temperature=0), "temperature=0: expected a finite number > 0"),
+    (lambda x: sampling_mask(x, temperature=0), "temperature=0: expected a number > 0"),
     (lambda x: rb_entropy(x, temperature=-1.0), "temperature=-1.0"),
     (lambda x: rb_entropy(x, temperature=math.inf), "temperature=inf"),
-    (lambda x: sampling_mask(x, top_k=-1), "top_k=-1: expected an integer >= 0 (0 = off)"),
+    (lambda x: sampling_mask(x, top_k=-1), "top_k=-1: expected an integer >= 0"),
     (lambda x: sampling_mask(x, top_k=2.5), "top_k=2.5"),
     (lambda x: sampling_mask(x, top_p=0.9, min_tokens_to_keep=0), "min_tokens_to_keep=0: expected an integer >= 1"),
     (lambda x: rb_entropy(x, top_p=0.9, chunk_size=0), "chunk_size=0: expected an integer >= 1"),

@@ -7,9 +7,9 @@ import torch
 from entropy_grpo.policies import tiny_policy
 from exact import enumerate_entropy, listed_mask, warped_logq
 from entropy_grpo.rb_entropy import sampling_mask
+from entropy_grpo.rb_entropy import token_stats
 from entropy_grpo.sequence_processor import (BatchedSequences, GenerationConfig, SequenceProcessor, check_probe_batch,
-                                             hf_generation_config, own_generation_config, to_batched_sequences,
-                                             token_stats)
+                                             hf_generation_config, own_generation_config, to_batched_sequences)
 
 
 def reference_sequence_logprobs(model, bs, temperature, top_p, top_k=0):
@@ -139,7 +139,7 @@ def test_token_stats_equal_masked_softmax(kw, dtype):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(50, 300, generator=g) * torch.linspace(0.5, 5, 50)[:, None]).to(dtype).requires_grad_(True)
     tokens = torch.randint(0, 300, (50,), generator=g)                     # many outside the kept sets
-    st = token_stats(x, tokens, **kw, return_support=True)
+    st = token_stats(x, tokens, **kw, full=True, return_support=True)
     keep = sampling_mask(x.detach(), **kw)
     outside = ~keep[torch.arange(50), tokens]
     keep[torch.arange(50), tokens] = True                                  # the realised token is put back in

@@ -171,7 +171,7 @@ def test_jsonl_other_bad_input(tmp_path):
         JsonlTask(tmp_path/"missing.jsonl")
     with pytest.raises(ValueError, match="no problems found"):
         load_jsonl_problems(_write(tmp_path/"empty.jsonl", [""]))
-    with pytest.raises(ValueError, match="on_error='ignore': expected 'raise' or 'skip'"):
+    with pytest.raises(ValueError, match=r"on_error='ignore': expected one of \('raise', 'skip'\)"):
         load_jsonl_problems(_write(tmp_path/"ok.jsonl", GSM), on_error="ignore")
     q = load_jsonl_problems(_write(tmp_path/"keys.jsonl", ['{"problem": "Q?", "solution": "5"}']), "problem", "solution")
     assert q[0].question == "Q?" and q[0].answer == "5"

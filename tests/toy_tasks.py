@@ -17,7 +17,7 @@ def labelled_pools(root, steps=3, batch=4, seed=0, max_new_tokens=6):
     its own; this gives the Phase-2 plumbing groups with real reward variance and (hack, clean) pairs."""
     import gzip, json
     from pathlib import Path
-    from entropy_grpo.alignment import build_pool
+    from entropy_grpo.pools import build_pool
     from entropy_grpo.policies import tiny_policy
     from entropy_grpo.sequence_processor import GenerationConfig
     policy, task = tiny_policy(seed), ArithmeticTask(seed=seed)
