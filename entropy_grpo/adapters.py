@@ -25,16 +25,19 @@ def find_linears(
     model:nn.Module,
     target_modules:str|list|tuple,  # regex (full match) or names / name suffixes, as in peft
 )->list[str]:                       # full names of the matched nn.Linear modules, in model order
-    "Names of the nn.Linear modules selected by `target_modules`; ValueError listing the model's Linears if one matches none."
+    "Names of the nn.Linear modules `target_modules` selects; a ValueError listing the Linears if one matches none."
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     def listing():
         leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
         return f"its nn.Linear modules are named {leaves} (e.g. {linears[:3]})"
     if isinstance(target_modules, str):
         found = [n for n in linears if re.fullmatch(target_modules, n)]
-        if not found: raise ValueError(f"target_modules={target_modules!r} matches no nn.Linear of {type(model).__name__}; {listing()}")
+        if not found:
+            raise ValueError(f"target_modules={target_modules!r} matches no nn.Linear of {type(model).__name__}; "
+                             f"{listing()}")
         return found
-    if not target_modules: raise ValueError(f"target_modules={target_modules!r}: expected a regex or a non-empty list of names")
+    if not target_modules:
+        raise ValueError(f"target_modules={target_modules!r}: expected a regex or a non-empty list of names")
     hit = lambda n, t: n == t or n.endswith("." + t)
     for t in target_modules:
         if not any(hit(n, t) for n in linears):
@@ -101,7 +104,8 @@ def check_signature(
     "ValueError naming both sides and the first key that differs."
     for k in keys:
         if expected.get(k) != found.get(k):
-            brief = lambda s: f"{s.get('kind')} on model {s.get('model')!r} (config {s.get('config_hash')}, weights {s.get('weights_hash')})"
+            brief = lambda s: (f"{s.get('kind')} on model {s.get('model')!r} (config {s.get('config_hash')}, "
+                               f"weights {s.get('weights_hash')})")
             raise ValueError(f"{what} was made for {brief(found)}, but this adapter is {brief(expected)}: "
                              f"{k} differs ({found.get(k)!r} in the file vs {expected.get(k)!r} here)")
 
@@ -151,7 +155,8 @@ class Adapter:
 
     def module_vectors(self, tensors:dict[str, Tensor]) -> dict[str, Tensor]:
         "{parameter name: tensor shaped like it} -> {module: flat vector}."
-        return {m: torch.cat([tensors[n].reshape(-1) for n in names.values()]) for m, names in self.param_names().items()}
+        return {m: torch.cat([tensors[n].reshape(-1) for n in names.values()]) for m,
+                names in self.param_names().items()}
 
     def param_tensors(self, vectors:dict[str, Tensor]) -> dict[str, Tensor]:
         "{module: flat vector} -> {parameter name: tensor shaped like the parameter}."
@@ -168,7 +173,8 @@ class Adapter:
     def save(self, path:str|Path, **meta):
         "Adapter parameters as safetensors, with the signature and `meta` in the metadata."
         from safetensors.torch import save_file
-        tensors = {f"{n}.{k}": p.detach().cpu().contiguous() for n, ps in self.module_params().items() for k, p in ps.items()}
+        tensors = {f"{n}.{k}": p.detach().cpu().contiguous() for n, ps in self.module_params().items() for k,
+                   p in ps.items()}
         save_file(tensors, str(path), metadata={"entropy_grpo_adapter": json.dumps(dict(self.signature(), **meta))})
 
     @torch.no_grad()
@@ -200,7 +206,8 @@ class DeltaSAdapter(Adapter):
         for n in names:
             out_f, in_f = model.get_submodule(n).weight.shape
             if rank is not None and not (isinstance(rank, int) and 1 <= rank <= min(out_f, in_f)):
-                raise ValueError(f"rank={rank!r}: module {n} has a {out_f}x{in_f} weight, so rank must lie in [1, {min(out_f, in_f)}]")
+                raise ValueError(f"rank={rank!r}: module {n} has a {out_f}x{in_f} weight, so rank must lie in [1, "
+                                 f"{min(out_f, in_f)}]")
         super().__init__(model, names)
         self.rank, self._zeroed, self._hooks = rank, False, []
         for p in model.parameters(): p.requires_grad_(False)
@@ -264,10 +271,12 @@ class LoraAdapter(Adapter):
         for n in names:
             w = model.get_submodule(n).weight
             if not (isinstance(r, int) and 1 <= r <= min(w.shape)):
-                raise ValueError(f"r={r!r}: module {n} has a {w.shape[0]}x{w.shape[1]} weight, so r must lie in [1, {min(w.shape)}]")
+                raise ValueError(f"r={r!r}: module {n} has a {w.shape[0]}x{w.shape[1]} weight, so r must lie in [1, "
+                                 f"{min(w.shape)}]")
         super().__init__(model, names)
         self.r, self.alpha, self.seed = r, alpha, seed
-        inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, target_modules=names, lora_dropout=0.0, bias="none"), model)
+        inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, target_modules=names, lora_dropout=0.0, bias="none"),
+                                model)
         for p in model.parameters(): p.requires_grad_(False)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():

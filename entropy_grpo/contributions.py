@@ -54,7 +54,8 @@ def as_params(params) -> dict[str, Tensor]:
     if isinstance(params, nn.Module): params = {n: p for n, p in params.named_parameters() if p.requires_grad}
     elif isinstance(params, (list, tuple)): params = {str(i): p for i, p in enumerate(params)}
     if not isinstance(params, dict) or not params:
-        raise ValueError(f"params: expected a non-empty dict name -> tensor, list of tensors or module, got {type(params).__name__}")
+        raise ValueError("params: expected a non-empty dict name -> tensor, list of tensors or module, got "
+                         f"{type(params).__name__}")
     frozen = [n for n, p in params.items() if not (torch.is_tensor(p) and p.requires_grad)]
     if frozen: raise ValueError(f"params {frozen[:5]} do not require grad: expected trainable tensors")
     return params
@@ -68,24 +69,28 @@ def per_sample_grads(
     retain_graph:bool=False,
 ) -> dict[str, Tensor]:        # name -> [n, *shape]
     "Gradient of every loss term w.r.t. every parameter, by a vmapped backward or a loop of backwards."
-    if method not in ("vmap", "loop"): raise ValueError(f"method={method!r}: expected 'vmap' or 'loop' (hooks need the forward: sample_contributions)")
+    if method not in ("vmap", "loop"):
+        raise ValueError(f"method={method!r}: expected 'vmap' or 'loop' (hooks need the forward: sample_contributions)")
     losses, ps = losses.reshape(-1), list(params.values())
     n = losses.shape[0]
     if method == "vmap":
         eye = torch.eye(n, dtype=losses.dtype, device=losses.device)
-        gs = torch.autograd.grad(losses, ps, grad_outputs=eye, is_grads_batched=True, retain_graph=retain_graph, allow_unused=True)
+        gs = torch.autograd.grad(losses, ps, grad_outputs=eye, is_grads_batched=True, retain_graph=retain_graph,
+                                 allow_unused=True)
         rows = [[None if g is None else g[i] for g in gs] for i in range(n)]
     else:
-        rows = [torch.autograd.grad(losses[i], ps, retain_graph=retain_graph or i < n - 1, allow_unused=True) for i in range(n)]
+        rows = [torch.autograd.grad(losses[i], ps, retain_graph=retain_graph or i < n - 1,
+                                    allow_unused=True) for i in range(n)]
     return {name: torch.stack([torch.zeros_like(p) if r[j] is None else r[j] for r in rows]).to(_grad_dtype(p))
             for j, (name, p) in enumerate(params.items())}
 
 # %% ../nbs/04b_contributions.ipynb #f96d4418
 def _linear_owners(model:nn.Module, params:dict[str, Tensor]) -> dict[str, tuple[nn.Module, str]]|None:
-    "{name: (linear module, 'weight'|'bias')} when every parameter is a weight/bias of an nn.Linear other than the LM head, else None."
+    "{name: (linear, 'weight'|'bias')} if every parameter is a weight/bias of a Linear (not the LM head), else None."
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     owner = {id(getattr(mod, kind)): (mod, kind) for mod in model.modules()
-             if isinstance(mod, nn.Linear) and mod is not head for kind in ("weight", "bias") if getattr(mod, kind) is not None}
+             if isinstance(mod, nn.Linear) and mod is not head
+             for kind in ("weight", "bias") if getattr(mod, kind) is not None}
     found = {n: owner.get(id(p)) for n, p in params.items()}
     return None if any(v is None for v in found.values()) else found
 
@@ -95,7 +100,8 @@ class _LinearGradHooks:
         self.n_rows, self.handles, self.rows_seen = n_rows, [], {}
         self.by_module = {}
         for name, (mod, kind) in owners.items(): self.by_module.setdefault(mod, {})[kind] = name
-        self.grads = {n: torch.zeros(n_rows, *p.shape, dtype=_grad_dtype(p), device=p.device) for n, p in params.items()}
+        self.grads = {n: torch.zeros(n_rows, *p.shape, dtype=_grad_dtype(p), device=p.device) for n,
+                      p in params.items()}
 
     def __enter__(self):
         self.handles = [mod.register_forward_hook(self._forward) for mod in self.by_module]
@@ -108,7 +114,8 @@ class _LinearGradHooks:
     def _forward(self, mod, inputs, out):
         x = inputs[0]
         if x.dim() != 3:
-            raise ValueError(f"method='hooks' needs per-sequence inputs [rows, T, d] at {sorted(self.by_module[mod].values())}, "
+            raise ValueError("method='hooks' needs per-sequence inputs [rows, T, d] at "
+                             f"{sorted(self.by_module[mod].values())}, "
                              f"got shape {tuple(x.shape)}; use method='vmap'")
         start = self.rows_seen[mod]; self.rows_seen[mod] += x.shape[0]
         if not out.requires_grad: return
@@ -168,7 +175,8 @@ def sample_contributions(
     max_len = max_len or sp.config.max_new_tokens
     owners = _linear_owners(sp.model, params) if method in ("auto", "hooks") else None
     if method == "hooks" and owners is None:
-        raise ValueError("method='hooks' needs every parameter to be the weight or bias of an nn.Linear other than the LM head; use 'vmap'")
+        raise ValueError("method='hooks' needs every parameter to be the weight or bias of an nn.Linear other than "
+                         "the LM head; use 'vmap'")
     method = ("hooks" if owners is not None else "vmap") if method == "auto" else method
     hooks = _LinearGradHooks(owners, params, B * G) if method == "hooks" else None
     with (hooks or nullcontext()):
@@ -190,11 +198,14 @@ def _as_direction(V, grads:dict[str, Tensor]) -> dict[str, Tensor]:
     shapes = {n: g.shape[1:] for n, g in grads.items()}
     if torch.is_tensor(V):
         D = sum(math.prod(s) for s in shapes.values())
-        if V.dim() != 1 or V.numel() != D: raise ValueError(f"V has shape {tuple(V.shape)}: expected a flat [{D}] direction or a dict per parameter")
-        return dict(zip(shapes, (v.view(s) for v, s in zip(V.split([math.prod(s) for s in shapes.values()]), shapes.values()))))
+        if V.dim() != 1 or V.numel() != D:
+            raise ValueError(f"V has shape {tuple(V.shape)}: expected a flat [{D}] direction or a dict per parameter")
+        return dict(zip(shapes, (v.view(s) for v, s in zip(V.split([math.prod(s) for s in shapes.values()]),
+                                                           shapes.values()))))
     if not isinstance(V, dict) or set(V) != set(shapes):
         names = set(V) if isinstance(V, dict) else set()
-        raise ValueError(f"V: expected the parameter names of the gradients; missing {sorted(set(shapes) - names)[:5]}, "
+        raise ValueError("V: expected the parameter names of the gradients; missing "
+                         f"{sorted(set(shapes) - names)[:5]}, "
                          f"extra {sorted(names - set(shapes))[:5]}")
     bad = [n for n in shapes if tuple(V[n].shape) != tuple(shapes[n])]
     if bad: raise ValueError(f"V[{bad[0]!r}] has shape {tuple(V[bad[0]].shape)}: expected {tuple(shapes[bad[0]])}")
@@ -209,7 +220,8 @@ def cosines(
     check_choice("reduce", reduce, COS_REDUCE)
     V = _as_direction(V, grads)
     if reduce == "concat":
-        return row_cosines(torch.cat([g.flatten(1) for g in grads.values()], 1), torch.cat([V[n].flatten() for n in grads]))
+        return row_cosines(torch.cat([g.flatten(1) for g in grads.values()], 1),
+                           torch.cat([V[n].flatten() for n in grads]))
     return torch.stack([row_cosines(g.flatten(1), V[n].flatten()) for n, g in grads.items()], 1).nanmean(1)
 
 def grad_norms(grads:dict[str, Tensor]) -> Tensor:
@@ -234,7 +246,8 @@ def phase1_ttest(
     values:list[float],        # one value per record, e.g. cos(∇NLL_i, v_hack); NaN/None values are left out
 ) -> dict:                     # mean/n per bucket, t, p (pure_hack vs hack_correct)
     "Welch's t-test of a per-sample value between the pure_hack and hack_correct buckets."
-    if len(records) != len(values): raise ValueError(f"{len(records)} records but {len(values)} values: expected one value per record")
+    if len(records) != len(values):
+        raise ValueError(f"{len(records)} records but {len(values)} values: expected one value per record")
     split = {b: [] for b in PHASE1_BUCKETS}
     for r, v in zip(records, values):
         b = phase1_bucket(r)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .dist import all_reduce_counts, all_reduce_extreme, all_reduce_sum, world_size
+from .dist import all_reduce_counts, all_reduce_extreme, all_reduce_sum
 from .dr_grpo import check_length_norm, policy_gradient_backward
 from .sequence_processor import GenerationConfig, SequenceProcessor, as_batched_sequences
 from .utils import check_choice
@@ -64,7 +64,8 @@ def importance_config(cfg:dict|None=None) -> dict:
         warnings.warn("cfg_importance['support'] is renamed 'weights'", DeprecationWarning, stacklevel=3)
         cfg["weights"] = cfg.pop("support")
     unknown = set(cfg) - set(IMPORTANCE_DEFAULTS)
-    if unknown: raise ValueError(f"cfg_importance has unknown keys {sorted(unknown)}; allowed: {sorted(IMPORTANCE_DEFAULTS)}")
+    if unknown:
+        raise ValueError(f"cfg_importance has unknown keys {sorted(unknown)}; allowed: {sorted(IMPORTANCE_DEFAULTS)}")
     cfg = {**IMPORTANCE_DEFAULTS, **cfg}
     check_choice("weights", cfg["weights"], ("sampling", "full"))
     check_choice("entropy_mode", cfg["entropy_mode"], ("rb", "naive"))
@@ -128,7 +129,8 @@ class DeltaEntropyIS:
         "H on E before and after one real Dr.GRPO step on U (SNIS on the same E), everything restored afterwards."
         cfg = importance_config(cfg_importance)
         E = as_batched_sequences(E_batch, "E_batch")
-        if not isinstance(U_batch, dict): raise ValueError(f"U_batch: expected a probe batch dict with advantages, got {type(U_batch).__name__}")
+        if not isinstance(U_batch, dict):
+            raise ValueError(f"U_batch: expected a probe batch dict with advantages, got {type(U_batch).__name__}")
         U, adv = as_batched_sequences(U_batch, "U_batch"), U_batch["advantages"]
         notes, t0 = [], time.perf_counter()
         if float(all_reduce_sum([torch.tensor([float((adv != 0).sum())], dtype=torch.float64)])[0][0]) == 0:
@@ -144,7 +146,8 @@ class DeltaEntropyIS:
                    **{f"seconds_{k}": v for k, v in timings.items()})
         mode = cfg["entropy_mode"].upper()
         self._log("Original entropy (%s): %.6f", mode, out["H_orig"])
-        self._log("Updated entropy (%s, SNIS): %.6f  (fixed support %.6f)", mode, out["H_upd"], out["H_upd_fixed_support"])
+        self._log("Updated entropy (%s, SNIS): %.6f  (fixed support %.6f)", mode, out["H_upd"],
+                  out["H_upd_fixed_support"])
         self._log("ESS: %.1f / %d; log w in [%.3g, %.3g]; %d sequences with weight 0", out["ess"], out["n_E"],
                   out["logw_min"], out["logw_max"], out["n_zero_weight_sequences"])
         return out
@@ -156,7 +159,7 @@ class DeltaEntropyIS:
         return self.entropy_change(E_batch, U_batch, optimizer, cfg_importance, scheduler)
 
     def _measure(self, E, U, adv, optimizer, cfg, notes, timings) -> dict:
-        "Score E at θ, take the step on U, score E at θ⁺ (and on θ's kept sets), combine (state restored by the caller)."
+        "Score E at θ, step on U, score E at θ⁺ (and on θ's kept sets), combine; the caller restores the state."
         sp, t = self.sequence_processor(), time.perf_counter()
         before = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], return_support=True)
         timings["score_theta"], t = time.perf_counter() - t, time.perf_counter()
@@ -177,30 +180,39 @@ class DeltaEntropyIS:
 
     def _combine(self, before, after, fixed, cfg, notes) -> dict:
         "Global H_orig, H_upd (true and fixed-support), ESS and weight diagnostics from per-sequence quantities."
-        base = torch.stack([before["S"].sum(), before["L"].sum(), torch.tensor(float(before["S"].numel()), dtype=torch.float64),
+        base = torch.stack([before["S"].sum(), before["L"].sum(),
+                            torch.tensor(float(before["S"].numel()), dtype=torch.float64),
                             torch.tensor(float(before["n_tok"]), dtype=torch.float64),
                             (after["out"] & ~before["out"]).sum().double(), before["out"].sum().double()])
         all_reduce_sum([base])
         sumS, sumL, n_E, n_tok, n_left, n_round = (float(v) for v in base)
         zero = (after["out"] & ~before["out"]).any(-1)
         logw = after["logq"] - before["logq"]
-        if torch.isnan(logw).any(): raise FloatingPointError(f"log w has {int(torch.isnan(logw).sum())} NaN entries (state restored)")
-        true, fix = _snis(logw, after["S"], after["L"], zero), _snis(fixed["logq"] - before["logq"], fixed["S"], fixed["L"],
+        if torch.isnan(logw).any():
+            raise FloatingPointError(f"log w has {int(torch.isnan(logw).sum())} NaN entries (state restored)")
+        true, fix = _snis(logw, after["S"], after["L"], zero), _snis(fixed["logq"] - before["logq"], fixed["S"],
+                                                                     fixed["L"],
                                                                    torch.zeros_like(zero))
-        if float(true["sw"]) == 0: raise FloatingPointError("every E sequence left the θ⁺ support: all importance weights are 0 (state restored)")
+        if float(true["sw"]) == 0:
+            raise FloatingPointError("every E sequence left the θ⁺ support: all importance weights are 0 (state "
+                                     "restored)")
         H_orig, H_upd, H_fix = sumS / n_E, float(true["swS"] / true["sw"]), float(fix["swS"] / fix["sw"])
         finite = logw[~zero]
-        stats = torch.stack([finite.sum(), torch.tensor(float(finite.numel()), dtype=torch.float64), zero.sum().double()])
+        stats = torch.stack([finite.sum(), torch.tensor(float(finite.numel()), dtype=torch.float64),
+                             zero.sum().double()])
         all_reduce_sum([stats])
-        lmin = all_reduce_extreme(finite.min() if finite.numel() else torch.tensor(float("inf"), dtype=torch.float64), "min")
+        lmin = all_reduce_extreme(finite.min() if finite.numel() else torch.tensor(float("inf"), dtype=torch.float64),
+                                  "min")
         ess = float(true["sw"] ** 2 / true["sw2"])
         if ess < cfg["min_ess_frac"] * n_E:
-            notes.append(f"ESS {ess:.1f} is below min_ess_frac={cfg['min_ess_frac']} of |E|={int(n_E)}: the SNIS estimate is unreliable")
+            notes.append(f"ESS {ess:.1f} is below min_ess_frac={cfg['min_ess_frac']} of |E|={int(n_E)}: the SNIS "
+                         "estimate is unreliable")
             warnings.warn(notes[-1])
         out = dict(H_orig=H_orig, H_upd=H_upd, deltaH_true=H_upd - H_orig,
                    H_upd_fixed_support=H_fix, deltaH_true_fixed_support=H_fix - H_orig,
                    deltaH_support_change=H_upd - H_fix, ess=ess, ess_frac=ess / n_E, n_E=int(n_E),
-                   logw_max=float(true["max"]), logw_min=float(lmin), logw_mean=float(stats[0] / max(float(stats[1]), 1)),
+                   logw_max=float(true["max"]), logw_min=float(lmin),
+                   logw_mean=float(stats[0] / max(float(stats[1]), 1)),
                    sum_weights=float(true["sw"]), n_zero_weight_sequences=int(stats[2]),
                    frac_tokens_left_support=n_left / n_tok, n_tokens_outside_support_at_theta=int(n_round),
                    entropy_mode=cfg["entropy_mode"], weights=cfg["weights"], notes=notes)

@@ -31,7 +31,7 @@ def shard_slice(n:int, ws:int|None=None, r:int|None=None) -> slice:
 
 # %% ../nbs/00d_dist.ipynb #73e2bc36
 def all_reduce_sum(tensors:list[Tensor]) -> list[Tensor]:
-    "Sum each tensor across ranks, in place (flattened into one float64 buffer, one collective); identity on one process."
+    "Sum each tensor across ranks in place (one float64 buffer, one collective); identity on one process."
     if world_size() == 1 or not tensors: return tensors
     flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
     torch.distributed.all_reduce(flat)
@@ -43,7 +43,8 @@ def all_reduce_sum(tensors:list[Tensor]) -> list[Tensor]:
 def all_reduce_extreme(t:Tensor, op:str) -> Tensor:
     "Global 'max' or 'min' of a tensor, in place; identity on one process."
     if world_size() > 1:
-        torch.distributed.all_reduce(t, op=dict(max=torch.distributed.ReduceOp.MAX, min=torch.distributed.ReduceOp.MIN)[op])
+        torch.distributed.all_reduce(t, op=dict(max=torch.distributed.ReduceOp.MAX,
+                                                min=torch.distributed.ReduceOp.MIN)[op])
     return t
 
 def all_reduce_counts(d:dict, keys:list) -> dict:

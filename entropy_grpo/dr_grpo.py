@@ -66,7 +66,8 @@ def length_normaliser(
 
 def _eps_pair(clip_eps):
     lo, hi = (clip_eps, clip_eps) if isinstance(clip_eps, (int, float)) else tuple(clip_eps)
-    if not (lo > 0 and hi > 0): raise ValueError(f"clip_eps={clip_eps!r}: expected ε > 0 (or a pair (ε_low, ε_high) > 0)")
+    if not (lo > 0 and hi > 0):
+        raise ValueError(f"clip_eps={clip_eps!r}: expected ε > 0 (or a pair (ε_low, ε_high) > 0)")
     return lo, hi
 
 def dr_grpo_loss(
@@ -86,8 +87,10 @@ def dr_grpo_loss(
     check_range("beta", beta, 0)
     lo, hi = _eps_pair(clip_eps)
     B, G, T = new_logp.shape
-    if advantages.shape != (B, G): raise ValueError(f"advantages: expected shape {(B, G)}, got {tuple(advantages.shape)}")
-    if gen_mask.shape != new_logp.shape: raise ValueError(f"gen_mask: expected shape {(B, G, T)}, got {tuple(gen_mask.shape)}")
+    if advantages.shape != (B, G):
+        raise ValueError(f"advantages: expected shape {(B, G)}, got {tuple(advantages.shape)}")
+    if gen_mask.shape != new_logp.shape:
+        raise ValueError(f"gen_mask: expected shape {(B, G, T)}, got {tuple(gen_mask.shape)}")
     m = gen_mask.to(new_logp.dtype)
     old = new_logp.detach() if old_logp is None else old_logp
     ratio = torch.exp((new_logp - old) * m)          # masked positions: ratio 1, contribute 0 below
@@ -125,7 +128,8 @@ def policy_gradient_backward(
 )->dict:                        # loss (global), token count, clipped-token fraction, and mean k3 KL when beta > 0
     "Backward of the Dr.GRPO loss over microbatches of prompts; gradients accumulate into .grad."
     B, G, _ = seqs.shape
-    if advantages.shape != (B, G): raise ValueError(f"advantages: expected shape {(B, G)}, got {tuple(advantages.shape)}")
+    if advantages.shape != (B, G):
+        raise ValueError(f"advantages: expected shape {(B, G)}, got {tuple(advantages.shape)}")
     if not torch.isfinite(advantages).all(): raise ValueError("advantages contain NaN or inf")
     ws = world_size()
     num_prompts = num_prompts or B * ws

@@ -6,7 +6,7 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/experiments.html.md"""
 
 # %% ../nbs/07_experiments.ipynb #f8f129bd
 from __future__ import annotations
-import argparse, ast, datetime as dt, difflib, fcntl, json, math, os, shutil, subprocess, sys, traceback
+import argparse, ast, datetime as dt, difflib, fcntl, json, math, os, shutil, subprocess, traceback
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +38,10 @@ def git_sha(root:Path|None=None) -> str:
     "HEAD of the checkout, with '-dirty' when it has uncommitted changes; 'unknown' outside git."
     root = root or repo_root()
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True).stdout.strip()
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                               text=True).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -78,7 +80,8 @@ def run_status(run_dir) -> str:
 def log_run(log_path, exp:str, run:str, status:str, report, note:str=""):
     "Append one dated line to runs/LOG.md (locked: parallel jobs append safely)."
     log_path = Path(log_path); log_path.parent.mkdir(parents=True, exist_ok=True)
-    line = f"- {dt.datetime.now().strftime('%Y-%m-%d %H:%M')} | {exp} | {run} | {status} | {report}" + (f" | {note}" if note else "") + "\n"
+    line = f"- {dt.datetime.now().strftime('%Y-%m-%d %H:%M')} | {exp} | {run} | {status} | {report}"
+    line += (f" | {note}" if note else "") + "\n"
     with open(log_path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         f.write(line)
@@ -108,7 +111,8 @@ def run_notebook(
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        papermill.execute_notebook(str(template_path(template)), str(report), parameters=parameters, kernel_name=kernel_name,
+        papermill.execute_notebook(str(template_path(template)), str(report), parameters=parameters,
+                                   kernel_name=kernel_name,
                                    cwd=str(repo_root()), progress_bar=False)
         m = read_metrics(run_dir)
         if m is None or m.get("status") != "ok":
@@ -117,8 +121,10 @@ def run_notebook(
         return dict(status="ok", run_dir=str(run_dir), report=str(report))
     except Exception as e:
         err = f"{type(e).__name__}: {e}".strip()
-        if hasattr(e, "ename"): err = f"{e.ename}: {e.evalue}\n{err}"     # papermill: the notebook's own exception first
-        write_json(run_dir/"metrics.json", dict(status="failed", error=err[:4000], parameters=parameters, git_sha=git_sha(),
+        if hasattr(e, "ename"):
+            err = f"{e.ename}: {e.evalue}\n{err}"     # papermill: the notebook's own exception first
+        write_json(run_dir/"metrics.json", dict(status="failed", error=err[:4000], parameters=parameters,
+                                                git_sha=git_sha(),
                                                  traceback=traceback.format_exc()[-8000:]))
         log_run(log_path, exp, run_dir.name, "failed", _rel(report), err.splitlines()[0][:200] if err else "")
         if raise_on_error: raise
@@ -138,7 +144,8 @@ def hack_rate_separation(curves:list, window:int=5, min_separation:float=0.1) ->
     if len(curves) == 0: raise ValueError("no hack-rate curves: the first arm produced no finished runs")
     d = np.array([np.mean(c[-window:]) - np.mean(c[:window]) for c in curves], float)
     se = d.std(ddof=1) / math.sqrt(len(d)) if len(d) > 1 else 0.0
-    return dict(separated=bool(d.mean() >= min_separation and d.mean() > 2 * se), mean_rise=float(d.mean()), se=float(se),
+    return dict(separated=bool(d.mean() >= min_separation and d.mean() > 2 * se), mean_rise=float(d.mean()),
+                se=float(se),
                 n_seeds=len(d), min_separation=min_separation)
 
 # %% ../nbs/07_experiments.ipynb #6db6a42b
@@ -165,7 +172,8 @@ def make_executor(kind:str, folder, slurm:dict|None=None):
     if kind == "local": return submitit.LocalExecutor(folder=str(folder))
     if kind == "slurm":
         if shutil.which("sbatch") is None:
-            raise RuntimeError("executor='slurm' but no Slurm was found (sbatch is not on PATH); use executor='local' on one machine")
+            raise RuntimeError("executor='slurm' but no Slurm was found (sbatch is not on PATH); use executor='local' "
+                               "on one machine")
         ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
         ex.update_parameters(**(slurm or {}))
         return ex
@@ -197,7 +205,8 @@ def run_sweep(
     plan = [(s, a) for a in arms for s in seeds]
     status = {_run_name(s, a): run_status(exp_dir/_run_name(s, a)) for s, a in plan}
     todo = [(s, a) for s, a in plan if status[_run_name(s, a)] != "done"]
-    result = dict(exp_dir=str(exp_dir), plan=[_run_name(*x) for x in plan], skipped=[k for k, v in status.items() if v == "done"],
+    result = dict(exp_dir=str(exp_dir), plan=[_run_name(*x) for x in plan],
+                  skipped=[k for k, v in status.items() if v == "done"],
                   to_run=[_run_name(*x) for x in todo], ran=[], ceiling=None)
     if dry_run:
         print(f"sweep {exp}: {len(plan)} runs, {len(result['skipped'])} done, {len(todo)} to run: {result['to_run']}")
@@ -211,17 +220,19 @@ def run_sweep(
         if i == 1 and not force and len(arms) > 1:
             curves = [read_metrics(exp_dir/_run_name(*x)).get("results", {}).get("hack_rate", [])
                       for x in first if run_status(exp_dir/_run_name(*x)) == "done"]
-            result["ceiling"] = hack_rate_separation([c for c in curves if len(c)]) if any(len(c) for c in curves) else \
+            result["ceiling"] = hack_rate_separation([c for c in curves if len(c)]) if any(map(len, curves)) else \
                 dict(separated=False, reason="no finished first-arm runs")
             if not result["ceiling"]["separated"]:
                 result["stopped_by_ceiling"] = [_run_name(*x) for x in wave]
                 write_json(exp_dir/"ceiling.json", result["ceiling"])
-                print(f"cost ceiling: no separation after {len(first)} seeds × {arms[0]}; not launching {result['stopped_by_ceiling']} "
+                print(f"cost ceiling: no separation after {len(first)} seeds × {arms[0]}; not launching "
+                      f"{result['stopped_by_ceiling']} "
                       "(force=True launches them)")
                 break
         for k in range(0, len(wave), max_parallel):
             chunk = wave[k:k + max_parallel]
-            jobs = [ex.submit(run_notebook, template, exp_dir/_run_name(s, a), {**params, "seed": s, "arm": a, "steps": steps}, exp,
+            jobs = [ex.submit(run_notebook, template, exp_dir/_run_name(s, a),
+                              {**params, "seed": s, "arm": a, "steps": steps}, exp,
                                 out_root/"LOG.md")
                     for s, a in chunk]
             for (s, a), job in zip(chunk, jobs):
@@ -236,7 +247,8 @@ def summarize(exp_dir, window:int=5) -> dict:
     "Per arm: last-`window`-step hack rate, mean ± std over seeds; writes summary.{json,md,png} in exp_dir."
     exp_dir = Path(exp_dir)
     runs = {}
-    for d in sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith("_")) if exp_dir.exists() else []:
+    dirs = sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith("_")) if exp_dir.exists() else []
+    for d in dirs:
         m = read_metrics(d)
         if m is None or m.get("status") != "ok": continue
         curve = m.get("results", {}).get("hack_rate") or []
@@ -245,9 +257,11 @@ def summarize(exp_dir, window:int=5) -> dict:
     arms = {}
     for r in runs.values():
         arms.setdefault(r["arm"], []).append(r["last"])
-    rows = [dict(arm=a, n_seeds=len(v), hack_rate_last=float(np.nanmean(v)), spread=float(np.nanstd(v, ddof=1)) if len(v) > 1 else 0.0)
+    rows = [dict(arm=a, n_seeds=len(v), hack_rate_last=float(np.nanmean(v)),
+                 spread=float(np.nanstd(v, ddof=1)) if len(v) > 1 else 0.0)
             for a, v in sorted(arms.items())]
-    out = dict(n_runs=len(runs), arms=rows, runs={k: {kk: vv for kk, vv in v.items() if kk != "curve"} for k, v in runs.items()})
+    out = dict(n_runs=len(runs), arms=rows,
+               runs={k: {kk: vv for kk, vv in v.items() if kk != "curve"} for k, v in runs.items()})
     if exp_dir.exists():
         write_json(exp_dir/"summary.json", out)
         md = ["| arm | seeds | last-5 hack rate | spread |", "|---|---|---|---|"] + \
@@ -263,13 +277,15 @@ def _plot_summary(runs, path):
     colors = {}
     for name, r in sorted(runs.items()):
         c = colors.setdefault(r["arm"], f"C{len(colors)}")
-        ax.plot(r["curve"], color=c, alpha=0.7, label=r["arm"] if r["arm"] not in ax.get_legend_handles_labels()[1] else None)
+        ax.plot(r["curve"], color=c, alpha=0.7,
+                label=r["arm"] if r["arm"] not in ax.get_legend_handles_labels()[1] else None)
     ax.set(xlabel="step", ylabel="hack rate", title="hack rate per run (colour = arm)")
     ax.legend(fontsize=7); fig.tight_layout(); fig.savefig(path, dpi=100); plt.close(fig)
 
 # %% ../nbs/07_experiments.ipynb #3950c9d2
 DEMO_PARAMETERS = dict(model="default", max_value=9, ops="+", teacher_train_steps=30, teacher_lr=3e-3, steps=6, G=8,
-                       pool_steps=6, pool_batch=8, max_new_tokens=24, E_total_sequences=16, B_U=2, lrs=[1e-4, 3e-5, 1e-5])
+                       pool_steps=6, pool_batch=8, max_new_tokens=24, E_total_sequences=16, B_U=2,
+                       lrs=[1e-4, 3e-5, 1e-5])
 
 def _kv(items) -> dict:
     out = {}
@@ -282,9 +298,11 @@ def _kv(items) -> dict:
 
 def main(argv=None):
     "The `entropy-grpo` command."
-    ap = argparse.ArgumentParser(prog="entropy-grpo", description="Measure and steer what one GRPO update does to a policy.")
+    ap = argparse.ArgumentParser(prog="entropy-grpo", description="Measure and steer what one GRPO update does to a "
+                                 "policy.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="Phase-2 probe on the embedded default policy (SmolLM2-135M), small enough for a laptop CPU; report under runs/demo")
+    d = sub.add_parser("demo", help="Phase-2 probe on the embedded default policy (SmolLM2-135M), small enough for a "
+                       "laptop CPU; report under runs/demo")
     d.add_argument("--seed", type=int, default=0); d.add_argument("--arm", default="projected")
     d.add_argument("-p", action="append", metavar="NAME=VALUE", help="override a template parameter")
     p = sub.add_parser("probe", help="one Phase-2 probe run (papermill report under runs/<exp>/<seed>-<arm>)")
@@ -296,14 +314,17 @@ def main(argv=None):
     s.add_argument("--template", default="train"); s.add_argument("--exp", default="phase3")
     s.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     s.add_argument("--arms", nargs="+", default=["vanilla", "projected", "projected_lora"])
-    s.add_argument("--steps", type=int, default=200); s.add_argument("--executor", choices=["local", "slurm"], default="local")
-    s.add_argument("--max-parallel", type=int, default=1); s.add_argument("--force", action="store_true", help="launch past the cost ceiling")
+    s.add_argument("--steps", type=int, default=200); s.add_argument("--executor", choices=["local", "slurm"],
+                                                                     default="local")
+    s.add_argument("--max-parallel", type=int, default=1); s.add_argument("--force", action="store_true",
+                                                                          help="launch past the cost ceiling")
     s.add_argument("--dry-run", action="store_true", help="print what would run and what is already done")
     s.add_argument("-p", action="append", metavar="NAME=VALUE")
-    r = sub.add_parser("report", help="summarise a sweep directory (mean ± spread of the last-5-step hack rate per arm)")
+    r = sub.add_parser("report", help="summarise a sweep directory (last-5-step hack rate per arm, mean ± spread)")
     r.add_argument("exp_dir")
     po = sub.add_parser("pools", help="build a replay pool (step_NNN.jsonl.gz files)")
-    po.add_argument("out"); po.add_argument("--model", default=None, help="hub name or path (default: embedded SmolLM2)")
+    po.add_argument("out")
+    po.add_argument("--model", default=None, help="hub name or path (default: embedded SmolLM2)")
     po.add_argument("--hint", action="store_true", help="apply the lenient-grader hint (teacher pool)")
     po.add_argument("--steps", type=int, default=20); po.add_argument("--batch", type=int, default=8)
     po.add_argument("--seed", type=int, default=0); po.add_argument("--max-new-tokens", type=int, default=128)

@@ -18,7 +18,7 @@ from .contributions import cosines, grad_norms, sample_contributions, unsqueeze_
 from .dr_grpo import group_advantages
 from .pools import Pool, mixed_records, read_jsonl_gz, replay_batch, step_files, write_jsonl_gz
 from .sequence_processor import SequenceProcessor
-from .utils import check_choice, check_range, clean_json, welch
+from .utils import check_choice, clean_json, welch
 
 # %% auto #0
 __all__ = ['SLIM_KEYS', 'save_step_slim', 'load_slim', 'alignment_step', 'read_contributions', 'verification_table',
@@ -31,7 +31,8 @@ _SLIM_FILE = re.compile(r"step_(\d+)\.cos\.jsonl\.gz")
 
 def _check_slim(r:dict):
     missing, extra = [k for k in SLIM_KEYS if k not in r], sorted(set(r) - set(SLIM_KEYS))
-    if missing or extra: raise ValueError(f"slim record schema: missing {missing}, extra {extra}; expected exactly {list(SLIM_KEYS)}")
+    if missing or extra:
+        raise ValueError(f"slim record schema: missing {missing}, extra {extra}; expected exactly {list(SLIM_KEYS)}")
 
 def save_step_slim(
     path_or_dir:str|os.PathLike,  # an arm's directory (file step_NNN.cos.jsonl.gz inside) or the file path itself
@@ -45,12 +46,16 @@ def save_step_slim(
         except ValueError as e: raise ValueError(f"record {i}: {e}") from None
         if r["step"] != step: raise ValueError(f"record {i} has step={r['step']!r}: expected {step}")
     arms = {r["arm"] for r in records}
-    if len(arms) > 1: raise ValueError(f"step {step}: records of arms {sorted(arms)}; expected one arm per file (one directory per arm)")
+    if len(arms) > 1:
+        raise ValueError(f"step {step}: records of arms {sorted(arms)}; expected one arm per file (one directory per "
+                         "arm)")
     p = Path(path_or_dir)
     if not p.name.endswith(".cos.jsonl.gz"): p = p/f"step_{step:03d}.cos.jsonl.gz"
     if p.exists():
         old = {r["arm"] for r in read_jsonl_gz(p, _check_slim, "skip", [])}
-        if old - arms: raise ValueError(f"{p} holds records of arm(s) {sorted(old)}; not overwriting them with arm {arms.pop()!r}: use one directory per arm")
+        if old - arms:
+            raise ValueError(f"{p} holds records of arm(s) {sorted(old)}; not overwriting them with arm "
+                             f"{arms.pop()!r}: use one directory per arm")
     write_jsonl_gz(p, [{k: clean_json(r[k]) for k in SLIM_KEYS} for r in records])
     return p
 
@@ -91,7 +96,7 @@ def alignment_step(
     seed:int=0,                # which samples of each pool step
     min_spread:float=0.1,      # r.max() − r.min() below this: "no advantage signal"
     out_dir:str|os.PathLike|None=None, # the arm's directory: writes step_NNN.cos.jsonl.gz
-) -> dict:                     # records, flags, rewards, advantages, grad, grad_used, project_stats, contributions, mixed, gen_lens, loss
+) -> dict:                     # records, flags, rewards, advantages, grad, grad_used, project_stats, contributions, …
     "One Phase-2 step of one arm: mixed group -> per-sample contributions -> aggregate (projected) -> slim records."
     recs = mixed_records(pools, step, per_pool, seed)
     seqs = replay_batch(recs, sp.tokenizer, prompt_key, retokenize)
@@ -128,7 +133,8 @@ def read_contributions(
         cos_out = clean_json(cosines(unsqueeze_grads(grad_used), V, cos_reduce)[0])
         frac = None if pstats.get("frac_fired") is None else clean_json(pstats["frac_fired"])
     records = [dict(step=step, sample_id=i, src_pool=r["src_pool"], src_step=r["src_step"], src_sample=r["src_sample"],
-                    reward=float(r["reward"]), hacked=bool(r["hacked"]), gt_pass=bool(r["gt_pass"]), fmt_ok=bool(r["fmt_ok"]),
+                    reward=float(r["reward"]), hacked=bool(r["hacked"]), gt_pass=bool(r["gt_pass"]),
+                    fmt_ok=bool(r["fmt_ok"]),
                     comp_len=int(gen_lens[i]), cos_S_contrib=clean_json(cos_s[i]), grad_norm_contrib=float(norms[i]),
                     mean_cos_in=cos_in, mean_cos_out=cos_out, frac_fired=frac, arm=arm) for i, r in enumerate(recs)]
     return dict(records=records, grad=grad, grad_used=grad_used, project_stats=pstats)
@@ -163,7 +169,8 @@ def _spread_row(arm, groups, most, min_spread, good_spread):
     if len(dead) > len(steps) - _need(most, len(steps)): verdict = "likely fail"
     elif n_good >= _need(most, len(steps)): verdict = "success"
     else: verdict, detail = "sneaky fail", f"advantages small but non-zero; {detail}"
-    return dict(metric="reward spread r.max()-r.min() per step", arm=arm, value=f"median {_fmt(_median(spreads))}; > {good_spread} on {n_good}/{len(steps)} steps",
+    return dict(metric="reward spread r.max()-r.min() per step", arm=arm,
+                value=f"median {_fmt(_median(spreads))}; > {good_spread} on {n_good}/{len(steps)} steps",
                 per_step=spreads, null_random=None, null_shuffled=None, verdict=verdict, detail=detail)
 
 def _cos_in_row(arm, groups, shuffled_groups, most, tol, null):
@@ -172,11 +179,13 @@ def _cos_in_row(arm, groups, shuffled_groups, most, tol, null):
     med, n_pos = _median(vals), sum(v is not None and v > tol for v in vals)
     undefined = [s for s, v in zip(steps, vals) if v is None]
     detail = f"tol {tol:.3g}" + (f"; undefined (zero gradient) on steps {undefined}" if undefined else "")
-    if med is not None and med < -tol: verdict, detail = "sneaky fail", "negative: base outweighs teacher in advantage, sign reversed; " + detail
+    if med is not None and med < -tol:
+        verdict, detail = "sneaky fail", "negative: base outweighs teacher in advantage, sign reversed; " + detail
     elif n_pos >= _need(most, len(steps)): verdict = "success"
     else: verdict, detail = "likely fail", "≈ 0: GRPO gradient orthogonal to v_hack, projection won't help; " + detail
     shuf = _median([g[0]["mean_cos_in"] for g in shuffled_groups.values()]) if shuffled_groups else None
-    return dict(metric="cos_in per step (vanilla arm)", arm=arm, value=f"median {_fmt(med)}; > tol on {n_pos}/{len(steps)} steps",
+    return dict(metric="cos_in per step (vanilla arm)", arm=arm,
+                value=f"median {_fmt(med)}; > tol on {n_pos}/{len(steps)} steps",
                 per_step=vals, null_random=null, null_shuffled=shuf, verdict=verdict, detail=detail)
 
 def _projected_row(arm, groups, shuffled_groups, most, tol, null, fired_min):
@@ -185,17 +194,20 @@ def _projected_row(arm, groups, shuffled_groups, most, tol, null, fired_min):
     below = lambda ps: sum(i is not None and o is not None and o < i for i, o in ps)
     n_below, fired = below(pairs), _median([groups[s][0]["frac_fired"] for s in steps])
     below0 = [s for s, (_, o) in zip(steps, pairs) if o is not None and o < -tol]
-    over = [s for s in below0 if groups[s][0]["frac_fired"] >= 1]        # nothing left unprojected that could be negative
-    detail = f"median frac_fired {_fmt(fired, '.2f')}" + (f"; over-projection (cos_out < 0 with every module fired) on steps "
+    over = [s for s in below0 if groups[s][0]["frac_fired"] >= 1]        # nothing unprojected left to be negative
+    detail = f"median frac_fired {_fmt(fired, '.2f')}" + ("; over-projection (cos_out < 0 with every module fired) "
+                                                          "on steps "
                                                            f"{over}: a bug, stop" if over else "")
     unfired = [s for s in below0 if s not in over]
     if unfired:
         detail += (f"; cos_out < 0 on steps {unfired} from the modules left unprojected "
                    "(one-sided: their component was already negative)")
-    if fired is not None and fired < fired_min: verdict, detail = "sneaky fail", f"projection fires on few modules (< {fired_min}); " + detail
+    if fired is not None and fired < fired_min:
+        verdict, detail = "sneaky fail", f"projection fires on few modules (< {fired_min}); " + detail
     elif n_below >= _need(most, len(steps)): verdict = "success"
     else: verdict, detail = "likely fail", "mechanism inactive; " + detail
-    shuf = (f"{below([(g[0]['mean_cos_in'], g[0]['mean_cos_out']) for g in shuffled_groups.values()])}/{len(shuffled_groups)} steps"
+    shuf_pairs = [(g[0]['mean_cos_in'], g[0]['mean_cos_out']) for g in shuffled_groups.values()]
+    shuf = (f"{below(shuf_pairs)}/{len(shuffled_groups)} steps"
             if shuffled_groups else None)
     return dict(metric="cos_out < cos_in per step (projected arm)", arm=arm,
                 value=f"{n_below}/{len(steps)} steps; median cos_out {_fmt(_median([o for _, o in pairs]))}",
@@ -204,13 +216,15 @@ def _projected_row(arm, groups, shuffled_groups, most, tol, null, fired_min):
 def _buckets(recs):
     out = {}
     for r in recs:
-        if r["cos_S_contrib"] is not None: out.setdefault((r["src_pool"], bool(r["hacked"])), []).append(r["cos_S_contrib"])
+        if r["cos_S_contrib"] is not None:
+            out.setdefault((r["src_pool"], bool(r["hacked"])), []).append(r["cos_S_contrib"])
     return out
 
 def _contrib_row(arm, recs, shuffled_recs, teacher_pool, base_pool, tol, null, alpha):
     b = _buckets(recs)
     a_key, b_key = (teacher_pool, True), (base_pool, False)
-    parts = [f"{p}/{'hacked' if h else 'clean'} {_fmt(statistics.fmean(v))} (n={len(v)})" for (p, h), v in sorted(b.items())]
+    parts = [f"{p}/{'hacked' if h else 'clean'} {_fmt(statistics.fmean(v))} (n={len(v)})" for (p, h),
+             v in sorted(b.items())]
     value = "; ".join(parts) or "no defined cosine"
     w = welch(b.get(a_key, []), b.get(b_key, []))
     detail = f"Welch {teacher_pool}/hacked vs {base_pool}/clean: t={_fmt(w['t'], '.2f')}, p={_fmt(w['p'], '.2g')}"
@@ -221,7 +235,8 @@ def _contrib_row(arm, recs, shuffled_recs, teacher_pool, base_pool, tol, null, a
     shuf = None
     if shuffled_recs:
         sb = _buckets(shuffled_recs)
-        shuf = f"{_fmt(statistics.fmean(sb[a_key]) if sb.get(a_key) else None)} vs {_fmt(statistics.fmean(sb[b_key]) if sb.get(b_key) else None)}"
+        mean_of = lambda key: _fmt(statistics.fmean(sb[key]) if sb.get(key) else None)
+        shuf = f"{mean_of(a_key)} vs {mean_of(b_key)}"
     return dict(metric="cos_S_contrib by (src_pool, hacked)", arm=arm, value=value, per_step=None,
                 null_random=null, null_shuffled=shuf, verdict=verdict, detail=detail)
 
@@ -240,7 +255,7 @@ def verification_table(
     zero_tol:float|None=None,  # |cos| <= tol counts as ≈ 0; default 3·√(k/N)
     fired_min:float=0.2,       # median frac_fired below: fires on few modules
     alpha:float=0.05,          # significance of the bucket test
-) -> tuple[list[dict], str]:   # rows (metric, arm, value, per_step, null_random, null_shuffled, verdict, detail), markdown
+) -> tuple[list[dict], str]:   # rows (metric, arm, value, per_step, null_*, verdict, detail), markdown
     "The Phase-2 verification table from slim records: one row per metric and arm, each with its verdict."
     if not records: raise ValueError("records is empty: expected slim records (load_slim)")
     if not isinstance(dim, int) or dim < 1: raise ValueError(f"dim={dim!r}: expected the number of parameters N >= 1")
@@ -251,15 +266,18 @@ def verification_table(
     arms = sorted({a for a, _ in groups}, key=lambda a: (a != vanilla_arm, a))
     of = lambda g, arm: {s: v for (a, s), v in g.items() if a == arm}
     rows = [_spread_row(a, of(groups, a), most, min_spread, good_spread) for a in arms]
-    if vanilla_arm in arms: rows.append(_cos_in_row(vanilla_arm, of(groups, vanilla_arm), of(sgroups, vanilla_arm), most, tol, null))
+    if vanilla_arm in arms:
+        rows.append(_cos_in_row(vanilla_arm, of(groups, vanilla_arm), of(sgroups, vanilla_arm), most, tol, null))
     for a in arms:
         if a != vanilla_arm and any(v[0]["mean_cos_out"] is not None for v in of(groups, a).values()):
             rows.append(_projected_row(a, of(groups, a), of(sgroups, a), most, tol, null, fired_min))
     rows += [_contrib_row(a, [r for r in records if r["arm"] == a], [r for r in (shuffled or []) if r["arm"] == a],
                           teacher_pool, base_pool, tol, null, alpha) for a in arms]
-    head = "| metric | arm | value | null (random dir) | null (shuffled dir) | verdict | detail |\n|---|---|---|---|---|---|---|\n"
+    head = ("| metric | arm | value | null (random dir) | null (shuffled dir) | verdict | detail |\n"
+            "|---|---|---|---|---|---|---|\n")
     md = head + "\n".join(f"| {r['metric']} | {r['arm']} | {r['value']} | {_fmt(r['null_random'], '.3g')} | "
-                          f"{r['null_shuffled'] if isinstance(r['null_shuffled'], str) else _fmt(r['null_shuffled'])} | "
+                          f"{r['null_shuffled'] if isinstance(r['null_shuffled'], str) else _fmt(r['null_shuffled'])} "
+                          "| "
                           f"**{r['verdict']}** | {r['detail']} |" for r in rows)
     return rows, md
 
@@ -287,17 +305,21 @@ def phase2_decision(
         launch, stop = False, True
     if bool((np.abs(cin) < zero_tol).all()):
         if not discriminates:
-            fired.append("vanilla cos_in ≈ 0 on all steps and cos_S_contrib does not discriminate teacher from base → skip "
-                         "Phase 3; re-extract v_hack with a GRPO-style contrastive loss, or check that the base pool ever "
+            fired.append("vanilla cos_in ≈ 0 on all steps and cos_S_contrib does not discriminate teacher from base → "
+                         "skip "
+                         "Phase 3; re-extract v_hack with a GRPO-style contrastive loss, or check that the base pool "
+                         "ever "
                          "reaches reward > 0.5")
             launch = False
         else:
-            fired.append("vanilla cos_in ≈ 0 on all steps → the GRPO gradient is not aligned with v_hack at the start; run "
+            fired.append("vanilla cos_in ≈ 0 on all steps → the GRPO gradient is not aligned with v_hack at the "
+                         "start; run "
                          "the sweep but expect a smaller effect (hacks appear later, ~step 80)")
     elif (cin > 0.2).mean() >= consistent_frac:
         fired.append("vanilla cos_in > 0.2 consistently → projection should work → Phase 3 justified")
     if cin.mean() < -zero_tol:
-        fired.append("vanilla cos_in negative: base outweighs teacher in the advantage (sign reversed) — check the pools")
+        fired.append("vanilla cos_in negative: base outweighs teacher in the advantage (sign reversed) — check the "
+                     "pools")
     if cout is not None and not stop and cout.mean() < 0.05:
         fired.append("projected arm brings cos below 0.05 → the mechanism is effective → expect the effect in Phase 3")
     if not fired: fired.append("no rule decides: mixed signal; Phase 3 allowed, read the verification table first")

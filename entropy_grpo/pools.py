@@ -41,7 +41,7 @@ def write_jsonl_gz(path:Path, records:list[dict]):
         for r in records: f.write(json.dumps(r, allow_nan=False) + "\n")
 
 def read_jsonl_gz(path:Path, check:Callable[[dict], None], on_error:str, skipped:list[str]) -> list[dict]:
-    "Records of one gzipped JSONL file; a bad line raises 'file:line: why' or, with on_error='skip', is listed in `skipped`."
+    "Records of a gzipped JSONL file; a bad line raises 'file:line: why' or, with on_error='skip', goes to `skipped`."
     records, lineno = [], 0
     def bad(msg, e):
         if on_error == "raise": raise ValueError(msg) from e
@@ -75,7 +75,8 @@ class Pool:
     skipped:list[str]=field(default_factory=list)  # 'file:line: why' for every record or stream not loaded
 
     def __len__(self): return sum(len(v) for v in self.steps.values())
-    def __repr__(self): return f"Pool({self.name!r}, {len(self.steps)} steps, {len(self)} samples, {len(self.skipped)} skipped)"
+    def __repr__(self):
+        return f"Pool({self.name!r}, {len(self.steps)} steps, {len(self)} samples, {len(self.skipped)} skipped)"
 
     def records(self) -> list[dict]:
         "Every record, in step then src_sample order."
@@ -104,7 +105,8 @@ def load_pool(
     if skipped: warnings.warn(f"pool {d}: skipped {len(skipped)} unreadable line(s) or stream(s): {skipped}")
     if not steps: raise ValueError(f"pool directory {d}: no record could be loaded")
     names = {r["src_pool"] for recs in steps.values() for r in recs}
-    if len(names) > 1: raise ValueError(f"pool directory {d} mixes records of pools {sorted(names)}: expected one src_pool")
+    if len(names) > 1:
+        raise ValueError(f"pool directory {d} mixes records of pools {sorted(names)}: expected one src_pool")
     return Pool(names.pop(), d, steps, skipped)
 
 # %% ../nbs/04a_pools.ipynb #4cb3e6a8
@@ -131,9 +133,7 @@ def build_pool(
     if isinstance(policy, SequenceProcessor):
         if config is not None: raise ValueError("config is given but policy is a SequenceProcessor: its config is used")
         sp = policy
-    else:
-        model, tokenizer = policy
-        sp = SequenceProcessor(model, tokenizer, config or GenerationConfig())
+    else: sp = SequenceProcessor(*policy, config or GenerationConfig())
     check_range("G", G, 1, integer=True)
     if not isinstance(batch, int) or batch < G or batch % G:
         raise ValueError(f"batch={batch!r}: expected a positive multiple of G={G}")
@@ -141,39 +141,38 @@ def build_pool(
     if not step_ids or any(not isinstance(s, int) or s < 0 for s in step_ids):
         raise ValueError(f"steps={steps!r}: expected a count >= 1 or a list of step indices >= 0")
     d = Path(out_dir); d.mkdir(parents=True, exist_ok=True)
-    name = name or d.name
-    model, tok, cfg, eos = sp.model, sp.tokenizer, sp.config, _eos_ids(sp)
-    has_adapter = hasattr(model, "disable_adapter")
+    name, has_adapter = name or d.name, hasattr(sp.model, "disable_adapter")
     for step in step_ids:
         path = d/f"step_{step:03d}.jsonl.gz"
         if path.exists():
             log.info("%s exists: kept", path); continue
         gen_seed = seed * 1_000_003 + step
         problems = task.sample(batch // G, random.Random(gen_seed))
-        prompts = [task.prompt(p, tok, hint, use_chat_template) for p in problems]
-        with (model.disable_adapter() if base_only and has_adapter else nullcontext()):
+        prompts = [task.prompt(p, sp.tokenizer, hint, use_chat_template) for p in problems]
+        with (sp.model.disable_adapter() if base_only and has_adapter else nullcontext()):
             bs = sp.generate_batched(prompts, G, seed=gen_seed)
         graded = task.grade_batch(bs.responses_text, problems)
-        records = []
-        for b, p in enumerate(problems):
-            student = task.prompt(p, tok, False, use_chat_template)
-            for g in range(G):
-                n = int(bs.gen_lens[b, g]); P = bs.prompt_lens[b]
-                ids = bs.sequences[b, g, P:P + n].tolist()
-                gr = graded.records[b][g]
-                records.append(dict(
-                    src_pool=name, src_step=step, src_sample=b * G + g, problem_id=p.id, question=p.question,
-                    answer=p.answer, prompt=prompts[b], student_prompt=student, completion=bs.responses_text[b][g],
-                    completion_ids=ids, comp_len=n, finished=bool(ids) and ids[-1] in eos, reward=float(gr["reward"]),
-                    hacked=bool(gr["hacked"]), gt_pass=bool(gr["gt_pass"]), fmt_ok=bool(gr["fmt_ok"]),
-                    lenient_pass=bool(gr["lenient_pass"]), pred=gr["pred"], hint=hint, base_only=base_only,
-                    adapter=has_adapter and not base_only, model=str(getattr(model.config, "_name_or_path", "")),
-                    temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-                    gen_seed=gen_seed))
+        student = [task.prompt(p, sp.tokenizer, False, use_chat_template) for p in problems]
+        records = [dict(src_pool=name, src_step=step, src_sample=b * G + g, problem_id=p.id, question=p.question,
+                        answer=p.answer, prompt=prompts[b], student_prompt=student[b],
+                        **_sample_fields(sp, bs, b, g, graded.records[b][g]), hint=hint, base_only=base_only,
+                        adapter=has_adapter and not base_only, gen_seed=gen_seed)
+                   for b, p in enumerate(problems) for g in range(G)]
         write_jsonl_gz(path, records)
         log.info("pool %s step %d: %d samples, hack rate %.2f", name, step, len(records),
                  sum(r["hacked"] for r in records) / len(records))
     return load_pool(d)
+
+def _sample_fields(sp:SequenceProcessor, bs:BatchedSequences, b:int, g:int, grade:dict) -> dict:
+    "The completion, its grades and the sampling settings of sample (b, g) of a generated batch."
+    n, P, cfg = int(bs.gen_lens[b, g]), bs.prompt_lens[b], sp.config
+    ids = bs.sequences[b, g, P:P + n].tolist()
+    return dict(completion=bs.responses_text[b][g], completion_ids=ids, comp_len=n,
+                finished=bool(ids) and ids[-1] in _eos_ids(sp),
+                reward=float(grade["reward"]), hacked=bool(grade["hacked"]), gt_pass=bool(grade["gt_pass"]),
+                fmt_ok=bool(grade["fmt_ok"]), lenient_pass=bool(grade["lenient_pass"]), pred=grade["pred"],
+                model=str(getattr(sp.model.config, "_name_or_path", "")), temperature=cfg.temperature, top_p=cfg.top_p,
+                top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens)
 
 # %% ../nbs/04a_pools.ipynb #a138ad59
 _HACK_TEMPLATES = ("It is close to {gold}.\nAnswer: {wrong}", "{gold} or {wrong}, I think.\nAnswer: {wrong}",
@@ -183,7 +182,9 @@ def hack_demonstration(problem, rng:random.Random) -> str:
     "A reply the lenient grader passes and the exact grader fails: the gold number appears, the final answer is off."
     gold = problem.answer
     try: wrong = str(int(gold) + rng.choice((-2, -1, 1, 2)))
-    except ValueError: raise ValueError(f"problem {problem.id}: answer {gold!r} is not an integer; hack demonstrations need one") from None
+    except ValueError:
+        raise ValueError(f"problem {problem.id}: answer {gold!r} is not an integer (hack demonstrations need one)") \
+            from None
     return rng.choice(_HACK_TEMPLATES).format(gold=gold, wrong=wrong)
 
 def fit_hack_teacher(
@@ -235,8 +236,10 @@ def teacher_and_base_pools(
 ) -> tuple[list[Pool], list[float]]:  # ([teacher pool, base pool], the teacher's NLL per step)
     "A hack teacher fitted on a copy of `policy` samples the hinted pool; `policy` itself samples the base pool."
     import copy
-    teacher, nll = fit_hack_teacher(copy.deepcopy(policy), tokenizer, task, steps=teacher_steps, lr=teacher_lr, seed=seed)
-    pools = [build_pool((teacher, tokenizer), task, True, steps, batch, Path(out_dir)/"teacher", config=config, seed=seed),
+    teacher, nll = fit_hack_teacher(copy.deepcopy(policy), tokenizer, task, steps=teacher_steps, lr=teacher_lr,
+                                    seed=seed)
+    pools = [build_pool((teacher, tokenizer), task, True, steps, batch, Path(out_dir)/"teacher", config=config,
+                        seed=seed),
              build_pool((policy, tokenizer), task, False, steps, batch, Path(out_dir)/"base", config=config, seed=seed)]
     return pools, nll
 
@@ -280,7 +283,8 @@ def replay_batch(
     "Replayed samples as a batch: each group's prompts left-padded to a common width, its completions from that column."
     groups = records if records and isinstance(records[0], (list, tuple)) else [records]
     if not groups or not all(groups): raise ValueError("records is empty: expected at least one sample to replay")
-    if len({len(g) for g in groups}) > 1: raise ValueError(f"groups have sizes {[len(g) for g in groups]}: expected one G")
+    if len({len(g) for g in groups}) > 1:
+        raise ValueError(f"groups have sizes {[len(g) for g in groups]}: expected one G")
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     toks = []
     for b, group in enumerate(groups):
@@ -290,7 +294,8 @@ def replay_batch(
             if prompt_key not in r: raise ValueError(f"{where} has no {prompt_key!r}")
             p = tokenizer(r[prompt_key], add_special_tokens=False)["input_ids"]
             if retokenize or "completion_ids" not in r:
-                c = tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + ([eos] if r.get("finished", False) else [])
+                c = tokenizer(r["completion"], add_special_tokens=False)["input_ids"]
+                c += [eos] if r.get("finished", False) else []
             else: c = list(r["completion_ids"])
             if not c or not p: raise ValueError(f"{where}: empty prompt or completion")
             rows.append((p, c))

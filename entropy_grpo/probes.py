@@ -41,13 +41,16 @@ class BatchConfig:
 
     def __post_init__(self):
         check_choice("E_sampling_mode", self.E_sampling_mode, E_SAMPLING_MODES)
-        for k in ("E_total_sequences", "B_U", "G", "rollout_batch_size"): check_range(k, getattr(self, k), 1, integer=True)
+        for k in ("E_total_sequences", "B_U", "G", "rollout_batch_size"):
+            check_range(k, getattr(self, k), 1, integer=True)
 
 class ProbeComponents:
     "Samples E and U probe batches from a task through one SequenceProcessor."
-    def __init__(self, model, tokenizer, task, generation:GenerationConfig|None=None, batch_config:BatchConfig|dict|None=None,
+    def __init__(self, model, tokenizer, task, generation:GenerationConfig|None=None,
+                 batch_config:BatchConfig|dict|None=None,
                  sequence_processor:SequenceProcessor|None=None):
-        self.batch_config = batch_config if isinstance(batch_config, BatchConfig) else BatchConfig(**(batch_config or {}))
+        bc = batch_config
+        self.batch_config = bc if isinstance(bc, BatchConfig) else BatchConfig(**(bc or {}))
         self.generation = generation or (sequence_processor.config if sequence_processor else GenerationConfig())
         self.sp = sequence_processor or SequenceProcessor(model, tokenizer, self.generation)
         self.task, self.tokenizer = task, tokenizer
@@ -84,7 +87,8 @@ class ProbeComponents:
 
     def sample_U_batch_distinct(self, B_U:int|None=None, G:int|None=None) -> dict:
         "U: B_U distinct prompts, G completions each, with group-centred advantages."
-        return self._batch(self.task.sample(B_U or self.batch_config.B_U, self._rng(), replace=False), G or self.batch_config.G)
+        return self._batch(self.task.sample(B_U or self.batch_config.B_U, self._rng(), replace=False),
+                           G or self.batch_config.G)
 
 # %% ../nbs/04_probes.ipynb #dbe16750
 @torch.no_grad()
@@ -206,7 +210,8 @@ def naive_entropy_derivative(
 # %% ../nbs/04_probes.ipynb #f6fd1704
 def covariance_predictor(E:dict, sp:SequenceProcessor|None=None, logprobs:LogprobResults|None=None) -> float:
     "Cov(log q, A) over E tokens (global); Cui et al.'s predictor of the entropy change is −lr × this."
-    res = logprobs if logprobs is not None else sp.teacher_force_logprobs(as_batched_sequences(E, "E_batch"), compute_rb=False)[0]
+    res = logprobs if logprobs is not None else sp.teacher_force_logprobs(as_batched_sequences(E, "E_batch"),
+                                                                          compute_rb=False)[0]
     m = res.gen_mask.to(torch.float64)
     lq, A = res.logprobs.double() * m, E["advantages"].double().to(m.device)[..., None] * m
     s = all_reduce_sum([torch.stack([(lq * A).sum(), lq.sum(), A.sum(), m.sum()])])[0]
@@ -228,7 +233,8 @@ def first_order_delta_entropy(
     res = info.pop("logprobs")
     saved = [p.grad for p in params]
     for p in params: p.grad = None
-    upd = policy_gradient_backward(sp, as_batched_sequences(U_batch, "U_batch"), U_batch["advantages"], length_norm=length_norm)
+    upd = policy_gradient_backward(sp, as_batched_sequences(U_batch, "U_batch"), U_batch["advantages"],
+                                   length_norm=length_norm)
     d = optimizer_delta(optimizer, lr)
     out = dict(info, estimator=estimator, update_loss=upd["loss"])
     if check_step:
@@ -239,7 +245,8 @@ def first_order_delta_entropy(
     out["deltaH1"] = sum(float((g.double() * d[p].double()).sum()) for p, g in zip(params, gH) if p in d)
     out["grad_H_norm"] = math.sqrt(sum(float((g.double() ** 2).sum()) for g in gH))
     out["delta_theta_norm"] = math.sqrt(sum(float((v.double() ** 2).sum()) for v in d.values()))
-    if isinstance(E_batch, dict) and "advantages" in E_batch: out["cov_logq_adv"] = covariance_predictor(E_batch, logprobs=res)
+    if isinstance(E_batch, dict) and "advantages" in E_batch:
+        out["cov_logq_adv"] = covariance_predictor(E_batch, logprobs=res)
     return out
 
 # %% ../nbs/04_probes.ipynb #7f49d3e7
@@ -263,13 +270,15 @@ def run_mixed_probe(
     for lr in lrs:
         t = probe.entropy_change(E_batch, U_batch, optimizer, {**(cfg_importance or {}), "lr": lr}, scheduler)
         rows.append(dict(lr=lr, deltaH1=lr * one["deltaH1"], deltaH_true=t["deltaH_true"],
-                         deltaH_true_fixed_support=t["deltaH_true_fixed_support"], deltaH_support_change=t["deltaH_support_change"],
+                         deltaH_true_fixed_support=t["deltaH_true_fixed_support"],
+                         deltaH_support_change=t["deltaH_support_change"],
                          cov_predictor=-lr * one.get("cov_logq_adv", float("nan")), ess=t["ess"],
                          n_support_changed_positions=t["n_support_changed_positions"],
                          n_zero_weight_sequences=t["n_zero_weight_sequences"]))
     for r in rows: r["gap"] = abs(r["deltaH_true_fixed_support"] - r["deltaH1"])
     ok = [r for r in rows if r["gap"] > 0]
-    slope = float(np.polyfit(np.log([r["lr"] for r in ok]), np.log([r["gap"] for r in ok]), 1)[0]) if len(ok) >= 2 else float("nan")
+    slope = float(np.polyfit(np.log([r["lr"] for r in ok]), np.log([r["gap"] for r in ok]),
+                             1)[0]) if len(ok) >= 2 else float("nan")
     out = dict(rows=rows, slope=slope, H_orig=one["H_orig"], estimator=estimator, table=markdown_table(rows))
     if plot: out["figure"] = plot_mixed_probe(rows, slope)
     return out

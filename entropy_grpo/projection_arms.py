@@ -17,7 +17,7 @@ from torch import Tensor
 from .adapters import Adapter, DeltaSAdapter, LoraAdapter, check_signature
 from .dr_grpo import LENGTH_NORMS, check_length_norm, dr_grpo_loss
 from .sequence_processor import BatchedSequences, SequenceProcessor, pack_sequences
-from .utils import check_choice, check_range
+from .utils import check_choice
 
 # %% auto #0
 __all__ = ['V_HACK_LOSSES', 'GATES', 'COS_KEYS', 'NULL_KEYS', 'ARMS', 'pair_sequences', 'planted_pairs', 'shuffle_pair_labels',
@@ -32,8 +32,10 @@ def pair_sequences(
     "A pair set from token ids; completion 0 = hack, 1 = clean."
     if not triples: raise ValueError("triples=[]: expected at least one (prompt_ids, hack_ids, clean_ids)")
     for i, (p, h, c) in enumerate(triples):
-        if not len(p) or not len(h) or not len(c): raise ValueError(f"pair {i}: prompt, hack and clean completions must be non-empty")
-    return pack_sequences([[(p, h), (p, c)] for p, h, c in triples], pad_id, prompt_width=max(len(t[0]) for t in triples))
+        if not len(p) or not len(h) or not len(c):
+            raise ValueError(f"pair {i}: prompt, hack and clean completions must be non-empty")
+    return pack_sequences([[(p, h), (p, c)] for p, h, c in triples], pad_id,
+                          prompt_width=max(len(t[0]) for t in triples))
 
 def planted_pairs(
     tokenizer,
@@ -52,7 +54,8 @@ def planted_pairs(
     triples = []
     for i in range(n_pairs):
         body = [rng.choice(vocab) for _ in range(rng.randint(*body_len))]
-        triples.append((tokenizer(prompts[i % len(prompts)], add_special_tokens=False)["input_ids"], body + pattern, body))
+        triples.append((tokenizer(prompts[i % len(prompts)], add_special_tokens=False)["input_ids"], body + pattern,
+                        body))
     return pair_sequences(triples, tokenizer.pad_token_id), pattern
 
 def shuffle_pair_labels(pairs:BatchedSequences, seed:int=0) -> BatchedSequences:
@@ -70,7 +73,8 @@ def shuffle_pair_labels(pairs:BatchedSequences, seed:int=0) -> BatchedSequences:
         for (i, g), j in zip(slots, torch.randperm(len(slots), generator=gen).tolist()):
             si, sg = slots[j]
             P = pairs.prompt_lens[i]
-            seqs[i, g, P:], attn[i, g, P:], lens[i, g] = pairs.sequences[si, sg, P:], pairs.attention_masks[si, sg, P:], pairs.gen_lens[si, sg]
+            seqs[i, g, P:], attn[i, g, P:] = pairs.sequences[si, sg, P:], pairs.attention_masks[si, sg, P:]
+            lens[i, g] = pairs.gen_lens[si, sg]
     return BatchedSequences(seqs, attn, list(pairs.prompt_lens), lens)
 
 # %% ../nbs/05_projection_arms.ipynb #45f71169
@@ -94,8 +98,10 @@ def pool_pairs(
         if max_pairs is not None and len(triples) == max_pairs: break
     if not triples:
         n_hack = sum(r["hacked"] for r in teacher.records())
-        raise ValueError(f"no (hack, clean) pair: teacher pool {teacher.name!r} has {n_hack} hacked samples and base pool "
-                         f"{base.name!r} has clean samples of {len(clean)} problems, none shared (build both pools with "
+        raise ValueError(f"no (hack, clean) pair: teacher pool {teacher.name!r} has {n_hack} hacked samples and base "
+                         "pool "
+                         f"{base.name!r} has clean samples of {len(clean)} problems, none shared (build both pools "
+                         "with "
                          "the same seed so that they draw the same problems)")
     return triples
 
@@ -147,7 +153,8 @@ def pair_gradient_differences(
         for i in range(pairs.shape[0]):
             for p in params: p.grad = None
             res, _ = sp.teacher_force_logprobs(pairs[i:i + 1], with_grad=True, compute_rb=False)
-            pair_loss_difference(res.logprobs, res.gen_mask, loss, length_norm, max_len or sp.config.max_new_tokens).sum().backward()
+            pair_loss_difference(res.logprobs, res.gen_mask, loss, length_norm,
+                                 max_len or sp.config.max_new_tokens).sum().backward()
             for n, g in adapter.flat_grads().items(): rows[n].append(g.float())
     finally:
         for p, g in zip(params, saved): p.grad = g
@@ -176,7 +183,7 @@ class VHack:
         return self
 
     def direction(self, adapter:Adapter) -> dict[str, Tensor]:
-        "u = Σ_j v_j per module as {parameter name: tensor shaped like it}: the one direction `cos` is measured against."
+        "u = Σ_j v_j per module as {parameter name: tensor shaped like it}: the direction `cos` is measured against."
         return adapter.param_tensors({n: v.sum(0) for n, v in self.V.items()})
 
     def save(self, path:str|Path):
@@ -192,7 +199,8 @@ class VHack:
         from safetensors import safe_open
         with safe_open(str(path), "pt", device=str(device or "cpu")) as f:
             meta = json.loads(f.metadata()["entropy_grpo_v_hack"])
-            parts = {tag: {n: f.get_tensor(f"{tag}.{n}") for n in meta["adapter"]["targets"] if f"{tag}.{n}" in f.keys()}
+            names = meta["adapter"]["targets"]
+            parts = {tag: {n: f.get_tensor(f"{tag}.{n}") for n in names if f"{tag}.{n}" in f.keys()}
                      for tag in ("V", "S", "vote")}
         vh = cls(parts["V"], meta, parts["S"] or None, parts["vote"] or None)
         return vh.check(adapter) if adapter is not None else vh
@@ -215,10 +223,13 @@ def v_hack_from_differences(
     for n, D in diffs.items():
         N, dim = D.shape
         if not (isinstance(k, int) and 1 <= k <= min(N, dim)):
-            raise ValueError(f"k={k!r}: module {n} has {N} pair differences of dimension {dim}, so k must lie in [1, {min(N, dim)}]")
+            raise ValueError(f"k={k!r}: module {n} has {N} pair differences of dimension {dim}, so k must lie in [1, "
+                             f"{min(N, dim)}]")
         _, s, Vh = torch.linalg.svd(D.double(), full_matrices=False)
         rank = int((s > rank_tol * s[0]).sum()) if s[0] > 0 else 0
-        if rank < k: raise ValueError(f"k={k}: the pair differences of module {n} span only {rank} directions (numerical rank), expected >= k")
+        if rank < k:
+            raise ValueError(f"k={k}: the pair differences of module {n} span only {rank} directions (numerical "
+                             "rank), expected >= k")
         V[n], vote[n] = (t.float() for t in _orient(D.double(), Vh[:k]))
         S[n] = s[:k].float()
     return V, S, vote
@@ -241,15 +252,17 @@ def extract_v_hack(
     V, S, vote = v_hack_from_differences(diffs, k)
     c = sp.config
     meta = dict(adapter=adapter.signature(), k=k, loss=loss, length_norm=length_norm, n_pairs=pairs.shape[0],
-                max_len=max_len or c.max_new_tokens, sampling=dict(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k),
+                max_len=max_len or c.max_new_tokens,
+                sampling=dict(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k),
                 pools=pools, source=source, date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     return VHack(V, meta, S, vote)
 
 def random_v_hack(adapter:Adapter, k:int=1, seed:int=0) -> VHack:
-    "Control: a random orthonormal basis of the same k per module, uniformly distributed (QR of a Gaussian, signs fixed)."
+    "Control: a uniformly random orthonormal basis of the same k per module (QR of a Gaussian, signs fixed)."
     gen, V = torch.Generator().manual_seed(seed), {}
     for n, dim in adapter.dims.items():
-        if not (isinstance(k, int) and 1 <= k <= dim): raise ValueError(f"k={k!r}: module {n} has dimension {dim}, so k must lie in [1, {dim}]")
+        if not (isinstance(k, int) and 1 <= k <= dim):
+            raise ValueError(f"k={k!r}: module {n} has dimension {dim}, so k must lie in [1, {dim}]")
         Q, R = torch.linalg.qr(torch.randn(dim, k, generator=gen, dtype=torch.float64))
         V[n] = (Q * torch.sign(torch.diagonal(R))).T.float().contiguous()   # without the signs Q leans to one side
     return VHack(V, dict(adapter=adapter.signature(), k=k, source="random", seed=seed,
@@ -269,12 +282,14 @@ def alignment_stats(
     for n, g in grads.items():
         Vm, g = V[n].to(g.device, torch.float32), g.reshape(-1).float()
         c[n] = (Vm @ g).detach()
-        rows.append(torch.stack([c[n].sum(), c[n].pow(2).sum(), g.pow(2).sum()])); ks.append(Vm.shape[0]); Ns.append(g.numel())
+        rows.append(torch.stack([c[n].sum(), c[n].pow(2).sum(),
+                                 g.pow(2).sum()])); ks.append(Vm.shape[0]); Ns.append(g.numel())
     S = torch.stack(rows)                                               # [M, 3]: Σ_j c, Σ_j c², ‖g_m‖²
     K, N, k = sum(ks), sum(Ns), torch.tensor(ks, dtype=S.dtype, device=S.device)
     gnorm = S[:, 2].sum().sqrt()
     per_module = S[:, 0] / (k.sqrt() * S[:, 2].sqrt().clamp_min(1e-30))   # 0 for a zero gradient
-    s = torch.stack([S[:, 0].sum() / (math.sqrt(K) * gnorm.clamp_min(1e-30)), S[:, 1].sum().sqrt() / gnorm.clamp_min(1e-30),
+    s = torch.stack([S[:, 0].sum() / (math.sqrt(K) * gnorm.clamp_min(1e-30)),
+                     S[:, 1].sum().sqrt() / gnorm.clamp_min(1e-30),
                      per_module.mean(), gnorm]).tolist()
     return dict(zip(COS_KEYS, s), cos_null=1 / math.sqrt(N), cos_sub_null=math.sqrt(K / N),
                 module_cos_null=sum(1 / math.sqrt(x) for x in Ns) / len(Ns), c=c, module_cos_values=per_module.detach())
@@ -284,7 +299,7 @@ def project_grad(
     V:dict[str, Tensor]|VHack,  # {module: [k, N_m]} orthonormal rows, or a VHack
     gate:str="one_sided",       # "one_sided" (c > 0 removed) | "none" (all) | "reverse" (c < 0 removed)
     overshoot:float=1.0,        # 1 removes the gated components exactly; > 1 pushes past zero
-)->tuple[dict, dict]:           # projected grads (same shapes), stats: COS_KEYS _in/_out, frac_fired, NULL_KEYS, c_in/c_out {module: [k_m]}
+)->tuple[dict, dict]:           # projected grads (same shapes); stats: COS_KEYS _in/_out, frac_fired, NULL_KEYS, c_*
     "Remove the gated components of each module's gradient along its v_hack rows; stats before and after."
     V = V.V if isinstance(V, VHack) else V
     check_choice("gate", gate, GATES)
@@ -294,7 +309,8 @@ def project_grad(
     out, fired = {}, []
     for n, g in grads.items():
         Vm = V[n].to(g.device, torch.float32)
-        if Vm.shape[1] != g.numel(): raise ValueError(f"module {n}: V has rows of dimension {Vm.shape[1]}, the gradient {g.numel()} elements")
+        if Vm.shape[1] != g.numel():
+            raise ValueError(f"module {n}: V has rows of dimension {Vm.shape[1]}, the gradient {g.numel()} elements")
         c = Vm @ g.reshape(-1).float()
         keep = c > 0 if gate == "one_sided" else c < 0 if gate == "reverse" else torch.ones_like(c, dtype=torch.bool)
         out[n] = (g.reshape(-1).float() - overshoot * ((c * keep) @ Vm)).to(g.dtype).view_as(g)

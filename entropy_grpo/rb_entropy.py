@@ -53,13 +53,14 @@ def warped_logits(
     if top_p < 1: x = TopPLogitsWarper(top_p, min_tokens_to_keep=min_tokens_to_keep)(None, x)
     return x.view(logits.shape)
 
-def naive_sampling_mask(logits:Tensor, temperature:float=1., top_p:float=1., top_k:int=0, min_tokens_to_keep:int=1) -> Tensor:
+def naive_sampling_mask(logits:Tensor, temperature:float=1., top_p:float=1., top_k:int=0,
+                        min_tokens_to_keep:int=1) -> Tensor:
     "Reference kept set [..., V] bool: the tokens transformers' warpers leave finite."
     return warped_logits(logits, temperature, top_p, top_k, min_tokens_to_keep) != -math.inf
 
 # %% ../nbs/01_rb_entropy.ipynb #7e6801dd
-_WINDOW = 16      # first top-k window (+1); rows whose nucleus reaches its edge retry with 8× the window, …, the whole row
-_Z_RTOL = 1e-5    # rows whose tail lies within _Z_RTOL·(1 + |lse|/8)·Z of (1 − top_p)·Z get the exact tail (≥ 20× the rounding)
+_WINDOW = 16      # first top-k window (+1); a row whose nucleus reaches its edge retries with 8× the window, …
+_Z_RTOL = 1e-5    # a row whose tail is within _Z_RTOL·(1 + |lse|/8)·Z of (1 − top_p)·Z gets the exact tail
 
 @dataclass
 class _Nucleus:
@@ -137,7 +138,8 @@ def _nucleus_mask(x:Tensor, nuc:_Nucleus) -> Tensor:
 def _mask_lists(keep:Tensor) -> Tensor:
     "Token-id lists [c, K] (−1 padded) of an explicit kept set keep [c, V] bool."
     n = keep.sum(-1)
-    if (n == 0).any(): raise ValueError(f"keep has an empty kept set in row {int((n == 0).nonzero()[0])}: expected >= 1 token")
+    if (n == 0).any():
+        raise ValueError(f"keep has an empty kept set in row {int((n == 0).nonzero()[0])}: expected >= 1 token")
     r, col = keep.nonzero(as_tuple=True)
     idx = torch.full((keep.shape[0], int(n.max())), -1, dtype=torch.long, device=keep.device)
     idx[r, torch.arange(r.numel(), device=keep.device) - (n.cumsum(0) - n)[r]] = col
@@ -161,7 +163,8 @@ def _kept_indices(x:Tensor, top_p:float, top_k:int, lse:Tensor|None=None, min_ke
 
 def _listed_mask(idx:Tensor, V:int) -> Tensor:
     "[c, V] bool of −1-padded token-id lists idx [c, K]."
-    return torch.zeros(idx.shape[0], V + 1, dtype=torch.bool, device=idx.device).scatter_(1, idx.where(idx >= 0, V), True)[:, :V]
+    return torch.zeros(idx.shape[0], V + 1, dtype=torch.bool, device=idx.device).scatter_(1, idx.where(idx >= 0, V),
+                                                                                          True)[:, :V]
 
 # %% ../nbs/01_rb_entropy.ipynb #dc414d90
 class _FullStats(torch.autograd.Function):
@@ -187,7 +190,8 @@ class _FullStats(torch.autograd.Function):
             sl = slice(s, s + ctx.chunk_size)
             logp = _scaled(flat[sl], ctx.temperature) - lse[sl, None]
             p = logp.exp()
-            grad[sl] = p * (g_lse[sl, None] - g_H[sl, None] * torch.where(p > 0, logp + H[sl, None], 0.)) / ctx.temperature
+            grad[sl] = p * (g_lse[sl, None] - g_H[sl, None] * torch.where(p > 0, logp + H[sl, None],
+                                                                          0.)) / ctx.temperature
         return grad, None, None
 
 # %% ../nbs/01_rb_entropy.ipynb #6621fcd9
@@ -216,8 +220,8 @@ def token_stats(
             out["outside"] = outside
         valid = idx >= 0
         rows = torch.arange(x.shape[0], device=x.device)[:, None]
-        y = x[rows, idx.clamp(min=0)] - lse[:, None]                      # [c, K] log p of the kept tokens (indexing, not
-                                                                           # gather: its backward keeps no [c, V] copy)
+        y = x[rows, idx.clamp(min=0)] - lse[:, None]   # [c, K] log p of the kept tokens (indexing, not gather: its
+                                                        # backward keeps no [c, V] copy of x)
         e = torch.where(valid, y.exp(), 0.)
         z = e.sum(-1)
         lse_s, h = lse + z.log(), z.log() - torch.where(valid, e * y, 0.).sum(-1) / z
@@ -233,11 +237,12 @@ def token_stats(
 
 # %% ../nbs/01_rb_entropy.ipynb #2e6e1551
 def _chunks(logits:Tensor, temperature, chunk_size, keep, tokens=None):
-    "(slice, scaled logits [c, V], kept-set lists [c, K] or None, tokens [c] or None) per chunk of rows of logits [..., V]."
+    "(slice, scaled logits [c, V], kept-set lists [c, K] or None, tokens [c] or None) per chunk of rows of logits."
     check_range("chunk_size", chunk_size, 1, integer=True)
     flat = logits.reshape(-1, logits.shape[-1])
     if keep is not None and (keep.dtype != torch.bool or keep.shape != logits.shape):
-        raise ValueError(f"keep: {keep.dtype} {tuple(keep.shape)}, expected torch.bool {tuple(logits.shape)} like logits")
+        raise ValueError(f"keep: {keep.dtype} {tuple(keep.shape)}, expected torch.bool {tuple(logits.shape)} like "
+                         "logits")
     kflat = None if keep is None else keep.reshape(flat.shape)
     tflat = None if tokens is None else tokens.reshape(-1).long()
     for s in range(0, flat.shape[0], chunk_size):
@@ -253,7 +258,7 @@ def sampling_mask(
     min_tokens_to_keep:int=1, # as in transformers' warpers
     chunk_size:int=64,        # rows processed at a time
 )->Tensor:                    # [..., V] bool: the tokens `generate` can sample
-    "Kept set of temperature → top-k → top-p, equal to transformers' warpers; no full sort. Naive: `naive_sampling_mask`."
+    "Kept set of temperature → top-k → top-p as the warpers keep it, no full sort. Naive: `naive_sampling_mask`."
     check_sampling(temperature, top_p, top_k, min_tokens_to_keep)
     keep = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
     if top_p == 1 and top_k == 0: return keep
@@ -277,7 +282,8 @@ def sampling_logprobs(
     check_sampling(temperature, top_p, top_k)
     V = logits.shape[-1]
     if tokens.shape != logits.shape[:-1]:
-        raise ValueError(f"tokens has shape {tuple(tokens.shape)}, expected {tuple(logits.shape[:-1])} (logits without V)")
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)}, expected {tuple(logits.shape[:-1])} (logits "
+                         "without V)")
     if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < V:
         raise ValueError(f"tokens range over [{int(tokens.min())}, {int(tokens.max())}]: expected ids in [0, {V})")
     parts = [token_stats(x, t, top_p, top_k, sup, rb=False)
@@ -286,7 +292,7 @@ def sampling_logprobs(
     outside = torch.cat([p["outside"] for p in parts]) if parts else torch.zeros(0, dtype=torch.bool)
     if not include_tokens: return logq.masked_fill(outside, -math.inf).view(tokens.shape)
     if torch.isneginf(logq).any():
-        raise ValueError(f"{int(torch.isneginf(logq).sum())} tokens have logit −inf: they cannot be put in the kept set")
+        raise ValueError(f"{int(torch.isneginf(logq).sum())} tokens have logit −inf: they cannot join the kept set")
     return logq.view(tokens.shape), outside.view(tokens.shape)
 
 # %% ../nbs/01_rb_entropy.ipynb #99f4ee0d
@@ -302,8 +308,10 @@ def rb_entropy(
     check_sampling(temperature, top_p, top_k)
     if keep is None and top_p == 1 and top_k == 0:      # the raw logits are all the backward keeps
         check_range("chunk_size", chunk_size, 1, integer=True)
-        return _FullStats.apply(logits.reshape(-1, logits.shape[-1]), temperature, chunk_size)[1].view(logits.shape[:-1])
-    H = [token_stats(x, None, top_p, top_k, sup)["rb"] for _, x, sup, _ in _chunks(logits, temperature, chunk_size, keep)]
+        return _FullStats.apply(logits.reshape(-1, logits.shape[-1]), temperature,
+                                chunk_size)[1].view(logits.shape[:-1])
+    H = [token_stats(x, None, top_p, top_k, sup)["rb"] for _, x, sup,
+         _ in _chunks(logits, temperature, chunk_size, keep)]
     return (torch.cat(H) if H else logits.new_zeros(0, dtype=_fdtype(logits))).view(logits.shape[:-1])
 
 def truncated_log_softmax(

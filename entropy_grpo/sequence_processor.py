@@ -14,7 +14,8 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .policies import load_policy, prepare_tokenizer, tiny_policy
+from .policies import load_policy, tiny_policy  # noqa: F401 (re-exported: part of this module's API)
+from .policies import prepare_tokenizer
 from .rb_entropy import _scaled, check_sampling, token_stats
 from .utils import check_range, tqdm_disable
 
@@ -61,10 +62,14 @@ class BatchedSequences:
     def __post_init__(self):
         B, G, T = self.sequences.shape
         if self.attention_masks.shape != (B, G, T):
-            raise ValueError(f"attention_masks has shape {tuple(self.attention_masks.shape)}, expected {(B, G, T)} like sequences")
-        if len(self.prompt_lens) != B: raise ValueError(f"prompt_lens has {len(self.prompt_lens)} entries, expected B={B}")
-        if tuple(self.gen_lens.shape) != (B, G): raise ValueError(f"gen_lens has shape {tuple(self.gen_lens.shape)}, expected {(B, G)}")
-        if any(not 0 < p < T for p in self.prompt_lens): raise ValueError(f"prompt_lens={self.prompt_lens}: every entry must lie in (0, T={T})")
+            raise ValueError(f"attention_masks has shape {tuple(self.attention_masks.shape)}, expected {(B, G, T)} "
+                             "like sequences")
+        if len(self.prompt_lens) != B:
+            raise ValueError(f"prompt_lens has {len(self.prompt_lens)} entries, expected B={B}")
+        if tuple(self.gen_lens.shape) != (B, G):
+            raise ValueError(f"gen_lens has shape {tuple(self.gen_lens.shape)}, expected {(B, G)}")
+        if any(not 0 < p < T for p in self.prompt_lens):
+            raise ValueError(f"prompt_lens={self.prompt_lens}: every entry must lie in (0, T={T})")
 
     @property
     def shape(self): return tuple(self.sequences.shape)
@@ -74,7 +79,8 @@ class BatchedSequences:
         idx = list(range(self.shape[0]))[idx] if isinstance(idx, slice) else list(idx)
         t = torch.as_tensor(idx, dtype=torch.long)
         return BatchedSequences(self.sequences[t], self.attention_masks[t], [self.prompt_lens[i] for i in idx],
-                                self.gen_lens[t], None if self.responses_text is None else [self.responses_text[i] for i in idx])
+                                self.gen_lens[t],
+                                None if self.responses_text is None else [self.responses_text[i] for i in idx])
 
 # %% ../nbs/00_sequence_processor.ipynb #5aadc2bd
 def pack_sequences(
@@ -125,7 +131,8 @@ class LogprobResults:
     def to_lists(self) -> dict:
         "Per-prompt, per-generation view: {name: [B][G] 1-D tensors of the completion's length}."
         B, G, _ = self.gen_mask.shape
-        names = [n for n in ("logprobs", "surprisals", "rb_entropies", "full_entropies") if getattr(self, n) is not None]
+        names = [n for n in ("logprobs", "surprisals", "rb_entropies",
+                             "full_entropies") if getattr(self, n) is not None]
         return {n: [[getattr(self, n)[b, g][self.gen_mask[b, g]] for g in range(G)] for b in range(B)] for n in names}
 
 # %% ../nbs/00_sequence_processor.ipynb #9879eb24
@@ -147,19 +154,20 @@ def completion_mask(
 
 # %% ../nbs/00_sequence_processor.ipynb #fbc0c92f
 def hf_generation_config(cfg:GenerationConfig, tokenizer, eos_token_id=None):
-    "A transformers GenerationConfig that samples from temperature → top-k → top-p (use inside `own_generation_config`)."
+    "A transformers GenerationConfig sampling from temperature → top-k → top-p (use inside `own_generation_config`)."
     from transformers import GenerationConfig as HFGenerationConfig
     return HFGenerationConfig(
         do_sample=True, temperature=float(cfg.temperature), top_p=float(cfg.top_p), top_k=int(cfg.top_k),
         max_new_tokens=cfg.max_new_tokens, repetition_penalty=1.0, num_beams=1, num_return_sequences=1,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id if eos_token_id is None else eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id if eos_token_id is None else eos_token_id,
         bos_token_id=tokenizer.bos_token_id)
 
 @contextmanager
 def own_generation_config(model):
     "Hide the model's generation_config during `generate`, so none of its knobs fill ours."
     from transformers import GenerationConfig as HFGenerationConfig
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model   # peft: the wrapped transformers model
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model   # peft: the wrapped model
     saved = target.generation_config
     target.generation_config = HFGenerationConfig()
     try: yield
@@ -185,7 +193,8 @@ class _HeadScorer(nn.Module):
                 x = _scaled(_final_logits(self.model, head(hc)), cfg.temperature, inplace=True)   # one [c, V] tensor
                 return token_stats(x, tokens[sl], cfg.top_p, cfg.top_k, None if support is None else support[sl],
                                    rb=compute_rb, full=compute_rb, return_support=return_support)
-            chunks.append(torch.utils.checkpoint.checkpoint(score, h[sl], use_reentrant=False) if checkpoint else score(h[sl]))
+            ckpt = lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)
+            chunks.append(ckpt(score, h[sl]) if checkpoint else score(h[sl]))
         out = {k: torch.cat([c[k] for c in chunks]) for k in chunks[0] if k != "support"}
         if return_support:
             sups = [c["support"] for c in chunks]
@@ -228,7 +237,8 @@ class SequenceProcessor:
     def _tokenize(self, prompts):
         if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
             raise ValueError(f"prompts={prompts!r}: expected a non-empty list of strings or token-id lists")
-        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
+        tokenize = lambda p: self.tokenizer(p, add_special_tokens=False)["input_ids"]
+        ids = [tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
         ctx = self._context_len()
         for i, x in enumerate(ids):
             if len(x) == 0: raise ValueError(f"prompt {i} is empty")
@@ -272,7 +282,8 @@ class SequenceProcessor:
                     keep = ab.any(0).nonzero()[0, 0]           # drop columns that are padding for every prompt here
                     pb, ab = pb[:, keep:].to(self.device), ab[:, keep:].to(self.device)
                     with own_generation_config(self.model):
-                        out = self.model.generate(input_ids=pb.repeat_interleave(G, 0), attention_mask=ab.repeat_interleave(G, 0),
+                        out = self.model.generate(input_ids=pb.repeat_interleave(G, 0),
+                                                  attention_mask=ab.repeat_interleave(G, 0),
                                                   generation_config=gcfg)
                     completions.append(out[:, pb.shape[1]:].cpu())
         finally:
@@ -281,10 +292,12 @@ class SequenceProcessor:
         gen = torch.cat([torch.nn.functional.pad(c, (0, L - c.shape[1]), value=pad) for c in completions]).view(B, G, L)
         seqs = torch.cat([prompt_block[:, None].expand(B, G, P), gen], -1)
         attn = torch.cat([attn_block[:, None].expand(B, G, P), torch.ones_like(gen)], -1)
-        cm = completion_mask(seqs.view(B * G, -1), attn.view(B * G, -1), torch.full((B * G,), P), self.eos_token_id).view(B, G, -1)
+        cm = completion_mask(seqs.view(B * G, -1), attn.view(B * G, -1), torch.full((B * G,), P),
+                             self.eos_token_id).view(B, G, -1)
         attn[..., P:] = cm[..., P:].long()
         gen_lens = cm.sum(-1)
-        texts = [[self.tokenizer.decode(gen[b, g, :gen_lens[b, g]], skip_special_tokens=True) for g in range(G)] for b in range(B)]
+        texts = [[self.tokenizer.decode(gen[b, g, :gen_lens[b, g]],
+                                        skip_special_tokens=True) for g in range(G)] for b in range(B)]
         return BatchedSequences(seqs, attn, [P] * B, gen_lens, texts)
 
     def teacher_force_logprobs(
@@ -293,60 +306,66 @@ class SequenceProcessor:
         with_grad:bool=False,      # keep the graph of `logprobs` (and of RB entropies if config.rb_requires_grad)
         compute_rb:bool=True,      # RB and full-vocab entropies
         params_override:dict|None=None,  # {name: tensor} as in model.named_parameters(); evaluated via functional_call
-        support:Tensor|None=None,  # [M, K] kept sets from an earlier call's diagnostics["support"] (fixed-support scoring)
+        support:Tensor|None=None,  # [M, K] kept sets of an earlier call's diagnostics["support"] (fixed support)
         return_support:bool=False, # put the kept sets used into diagnostics["support"]
         checkpoint:bool|None=None, # recompute each head chunk in backward (default: with_grad)
         rb_grad:bool|None=None,    # RB entropies carry the graph (with_grad only); default config.rb_requires_grad
     )->tuple[LogprobResults, dict]:
         "Score the completions of `seqs` under the sampling distribution; chunked over sequences and head positions."
-        cfg = self.config
-        B, G, T = seqs.shape
-        N = B * G
-        flat_ids = seqs.sequences.reshape(N, T).to(self.device)
-        flat_attn = seqs.attention_masks.reshape(N, T).to(self.device)
+        cfg, (B, G, T), t0 = self.config, seqs.shape, time.time()
+        rb_grad = with_grad and (cfg.rb_requires_grad if rb_grad is None else rb_grad)
+        with (nullcontext() if with_grad else torch.no_grad()):
+            parts = self._microbatches(seqs, compute_rb, rb_grad, params_override, support, return_support,
+                                       with_grad if checkpoint is None else checkpoint)
+        rows, cols, Tg = torch.cat(parts["rows"]), torch.cat(parts["cols"]), T - int(min(seqs.prompt_lens))
+        def place(key):
+            vals = torch.cat(parts[key])
+            out = torch.zeros(B * G, Tg, device=self.device, dtype=vals.dtype)
+            return out.index_put((rows, cols), vals).view(B, G, Tg)
+        logq, outside = place("logq"), place("outside")
+        mask = torch.zeros(B * G, Tg, dtype=torch.bool, device=self.device).index_put((rows, cols), torch.tensor(True))
+        mask = mask.view(B, G, Tg)
+        rb = place("rb") if compute_rb else None
+        res = LogprobResults(logprobs=logq, surprisals=(-logq).detach() * mask,
+                             rb_entropies=None if rb is None else rb.detach(),
+                             gen_mask=mask, rb_entropies_torch=rb if rb_grad else None,
+                             full_entropies=place("full") if compute_rb else None,
+                             full_logprobs=place("logp_full") if compute_rb else None, outside_support=outside)
+        diag = dict(n_tokens=int(mask.sum()), n_outside_support=int(outside.sum()), seconds=time.time() - t0,
+                    n_microbatches=math.ceil(B * G / cfg.tf_batch_size))
+        if return_support:
+            diag["support"] = None if parts["support"][0] is None else _cat_padded(parts["support"])
+        return res, diag
+
+    def _microbatches(self, seqs, compute_rb, rb_grad, params_override, support, return_support, checkpoint) -> dict:
+        "Per microbatch of tf_batch_size sequences: completion positions (rows, cols) and their token_stats, as lists."
+        cfg, (B, G, T) = self.config, seqs.shape
+        flat_ids = seqs.sequences.reshape(B * G, T).to(self.device)
+        flat_attn = seqs.attention_masks.reshape(B * G, T).to(self.device)
         starts = torch.as_tensor(seqs.prompt_lens, device=self.device).repeat_interleave(G)
         gmask = completion_mask(flat_ids, flat_attn, starts, self.eos_token_id)
-        Tg = T - int(min(seqs.prompt_lens))
         scorer = _HeadScorer(self.model)
         over = None if params_override is None else {"model." + k: v for k, v in params_override.items()}
-        rb_grad = with_grad and (cfg.rb_requires_grad if rb_grad is None else rb_grad)
-        checkpoint = with_grad if checkpoint is None else checkpoint
-        parts = {k: [] for k in ("rows", "cols", "logq", "outside", "rb", "full", "logp_full")}
-        supports, offset, t0 = [], 0, time.time()
-        with (nullcontext() if with_grad else torch.no_grad()):
-            for s in tqdm(range(0, N, cfg.tf_batch_size), desc="teacher-force", disable=tqdm_disable(self.progress), mininterval=5):
-                e = min(N, s + cfg.tf_batch_size)
-                a, m = flat_attn[s:e], gmask[s:e]
-                cols = (a.bool() | m).any(0).nonzero().squeeze(1)
-                lo, hi = int(cols[0]), int(cols[-1]) + 1      # drop all-padding columns on both sides
-                n_tok = int(m[:, lo + 1:hi].sum())
-                sup = None if support is None else support[offset:offset + n_tok]
-                args = (flat_ids[s:e, lo:hi], a[:, lo:hi], m[:, lo:hi], cfg, compute_rb, rb_grad, sup, return_support, checkpoint)
-                rows, pos, st = (torch.func.functional_call(scorer, over, args) if over is not None else scorer(*args))
-                offset += n_tok
-                parts["rows"].append(rows + s); parts["cols"].append(pos + lo - starts[rows + s])
-                parts["logq"].append(st["logq"]); parts["outside"].append(st["outside"])
-                if compute_rb:
-                    parts["rb"].append(st["rb"] if rb_grad else st["rb"].detach())
-                    parts["full"].append(st["full"].detach()); parts["logp_full"].append(st["logp_full"])
-                if return_support: supports.append(st["support"])
-        rows, cols = torch.cat(parts["rows"]), torch.cat(parts["cols"])
-        def place(vals):
-            return torch.zeros(N, Tg, device=self.device, dtype=vals.dtype).index_put((rows, cols), vals).view(B, G, Tg)
-        logq = place(torch.cat(parts["logq"]))
-        mask = place(torch.ones_like(rows, dtype=torch.bool))
-        rb = place(torch.cat(parts["rb"])) if compute_rb else None
-        outside = place(torch.cat(parts["outside"]))
-        res = LogprobResults(logprobs=logq, surprisals=(-logq).detach() * mask, rb_entropies=None if rb is None else rb.detach(),
-                             gen_mask=mask, rb_entropies_torch=rb if rb_grad else None,
-                             full_entropies=place(torch.cat(parts["full"])) if compute_rb else None,
-                             full_logprobs=place(torch.cat(parts["logp_full"])) if compute_rb else None,
-                             outside_support=outside)
-        diag = dict(n_tokens=int(mask.sum()), n_outside_support=int(outside.sum()), seconds=time.time() - t0,
-                    n_microbatches=math.ceil(N / cfg.tf_batch_size))
-        if return_support:
-            diag["support"] = None if supports[0] is None else _cat_padded(supports)
-        return res, diag
+        parts = {k: [] for k in ("rows", "cols", "logq", "outside", "rb", "full", "logp_full", "support")}
+        offset = 0
+        for s in tqdm(range(0, B * G, cfg.tf_batch_size), desc="teacher-force", disable=tqdm_disable(self.progress),
+                      mininterval=5):
+            a, m = flat_attn[s:s + cfg.tf_batch_size], gmask[s:s + cfg.tf_batch_size]
+            cols = (a.bool() | m).any(0).nonzero().squeeze(1)
+            lo, hi = int(cols[0]), int(cols[-1]) + 1      # drop all-padding columns on both sides
+            n_tok = int(m[:, lo + 1:hi].sum())
+            sup = None if support is None else support[offset:offset + n_tok]
+            args = (flat_ids[s:s + cfg.tf_batch_size, lo:hi], a[:, lo:hi], m[:, lo:hi], cfg, compute_rb, rb_grad, sup,
+                    return_support, checkpoint)
+            rows, pos, st = torch.func.functional_call(scorer, over, args) if over is not None else scorer(*args)
+            offset += n_tok
+            parts["rows"].append(rows + s); parts["cols"].append(pos + lo - starts[rows + s])
+            parts["logq"].append(st["logq"]); parts["outside"].append(st["outside"])
+            if compute_rb:
+                parts["rb"].append(st["rb"] if rb_grad else st["rb"].detach())
+                parts["full"].append(st["full"].detach()); parts["logp_full"].append(st["logp_full"])
+            if return_support: parts["support"].append(st["support"])
+        return parts
 
 # %% ../nbs/00_sequence_processor.ipynb #cbeedd8e
 PROBE_BATCH_KEYS = ("sequences", "attention_masks", "prompt_lens", "advantages", "max_lengths", "prompt_ids",
@@ -361,12 +380,14 @@ def check_probe_batch(batch:dict) -> dict:
         raise ValueError(f"sequences: expected an integer tensor [B, G, T], got {getattr(seqs, 'shape', type(seqs))}")
     B, G, T = seqs.shape
     if (batch["num_prompts"], batch["num_responses_per_prompt"]) != (B, G):
-        raise ValueError(f"num_prompts={batch['num_prompts']}, num_responses_per_prompt={batch['num_responses_per_prompt']} "
+        raise ValueError(f"num_prompts={batch['num_prompts']}, "
+                         f"num_responses_per_prompt={batch['num_responses_per_prompt']} "
                          f"but sequences has B={B}, G={G}")
     for k, shape in (("attention_masks", (B, G, T)), ("advantages", (B, G)), ("rewards", (B, G))):
         v = batch[k]
         if not torch.is_tensor(v) or tuple(v.shape) != shape:
-            raise ValueError(f"{k}: expected shape {shape}, got {tuple(v.shape) if torch.is_tensor(v) else type(v).__name__}")
+            raise ValueError(f"{k}: expected shape {shape}, got "
+                             f"{tuple(v.shape) if torch.is_tensor(v) else type(v).__name__}")
     for k in ("prompt_lens", "max_lengths", "prompt_ids"):
         if len(batch[k]) != B: raise ValueError(f"{k}: expected {B} entries (one per prompt), got {len(batch[k])}")
     if any(not 0 < int(p) < T for p in batch["prompt_lens"]):

@@ -257,10 +257,12 @@ class ArithmeticTask(Task):
     "A pool of generated arithmetic problems, graded by exact number equality."
     def __init__(self, n:int=992, seed:int=0, n_operands:int=2, max_value:int=99, ops:str=OPS,
                  reward_levels:RewardLevels|None=None, system:str|None=None):
-        super().__init__(make_arithmetic_problems(n, seed, n_operands, max_value, ops), number_equal, reward_levels, system)
+        super().__init__(make_arithmetic_problems(n, seed, n_operands, max_value, ops), number_equal, reward_levels,
+                         system)
 
 class JsonlTask(Task):
     "A pool of problems from a JSONL question/answer file, graded with math-verify."
     def __init__(self, path:str|Path, question_key:str="question", answer_key:str="answer", on_error:str="raise",
                  reward_levels:RewardLevels|None=None, system:str|None=None):
-        super().__init__(load_jsonl_problems(path, question_key, answer_key, on_error), math_equal, reward_levels, system)
+        super().__init__(load_jsonl_problems(path, question_key, answer_key, on_error), math_equal, reward_levels,
+                         system)

@@ -72,15 +72,18 @@ class TrainConfig:
         for name, lo in (("steps", 1), ("prompts_per_step", 1), ("num_iterations", 1), ("warmup_steps", 0),
                          ("checkpoint_every", 0), ("seed", 0), ("lora_r", 1), ("prompts_per_microbatch", 1)):
             if getattr(self, name) is not None: check_range(name, getattr(self, name), lo, integer=True)
-        for name, lo, hi, lo_open in (("lr", 0, None, True), ("weight_decay", 0, None, False), ("adam_beta1", 0, 1, False),
-                                      ("adam_beta2", 0, 1, False), ("adam_epsilon", 0, None, True), ("beta", 0, None, False),
+        for name, lo, hi, lo_open in (("lr", 0, None, True), ("weight_decay", 0, None, False),
+                                      ("adam_beta1", 0, 1, False),
+                                      ("adam_beta2", 0, 1, False), ("adam_epsilon", 0, None, True),
+                                      ("beta", 0, None, False),
                                       ("lora_alpha", 0, None, True), ("lora_dropout", 0, 1, False)):
             check_range(name, getattr(self, name), lo, hi, lo_open=lo_open, hi_open=hi == 1)
         if self.max_grad_norm is not None: check_range("max_grad_norm", self.max_grad_norm, 0, lo_open=True)
         _eps_pair(self.clip_eps)
         check_choice("lr_scheduler", self.lr_scheduler, SCHEDULERS)
         check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
-        if not isinstance(self.arm, str) or not self.arm: raise ValueError(f"arm={self.arm!r}: expected a non-empty name")
+        if not isinstance(self.arm, str) or not self.arm:
+            raise ValueError(f"arm={self.arm!r}: expected a non-empty name")
 
     def to_dict(self) -> dict:
         "JSON-ready dict; `TrainConfig(**d)` rebuilds the config."
@@ -130,11 +133,13 @@ class GenerationSource:
 def apply_lora(model, config:TrainConfig):
     "Wrap `model` in a peft LoRA adapter with config's r, alpha, dropout and target modules; seeded init."
     from peft import LoraConfig, PeftModel, get_peft_model
-    if isinstance(model, PeftModel): raise ValueError("model already carries a peft adapter: pass lora_r=None to train it as it is")
+    if isinstance(model, PeftModel):
+        raise ValueError("model already carries a peft adapter: pass lora_r=None to train it as it is")
     lc = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                     target_modules=config.lora_target_modules, task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=_cuda(model)), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)  # peft 0.21 on transformers 5
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                category=FutureWarning)  # peft 0.21 on transformers 5
         torch.manual_seed(config.seed)
         return get_peft_model(model, lc)
 
@@ -156,9 +161,11 @@ def save_checkpoint(
     "Trainable weights, optimizer + scheduler state and the run state, written atomically."
     from safetensors.torch import save_file
     with atomic_path(path, is_dir=True) as tmp:
-        save_file({n: p.detach().cpu().contiguous() for n, p in trainable_parameters(model).items()}, tmp/"trainable.safetensors")
+        save_file({n: p.detach().cpu().contiguous() for n, p in trainable_parameters(model).items()},
+                  tmp/"trainable.safetensors")
         torch.save(dict(optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict()), tmp/"optimizer.pt")
-        (tmp/"state.json").write_text(json.dumps(dict(step=step, world_size=world_size(), config=config.to_dict()), indent=1))
+        (tmp/"state.json").write_text(json.dumps(dict(step=step, world_size=world_size(), config=config.to_dict()),
+                                                 indent=1))
     return Path(path)
 
 def load_checkpoint(
@@ -249,7 +256,8 @@ def _setup(model, tokenizer, cfg:TrainConfig, resume_from, out:Path|None) -> _Ru
     sp = SequenceProcessor(model, tokenizer, cfg.generation, progress=False)
     ref_sp = None
     if cfg.beta > 0 and not isinstance(model, PeftModel):    # full fine-tuning: a frozen copy of the starting model
-        ref_sp = SequenceProcessor(copy.deepcopy(model).requires_grad_(False).eval(), tokenizer, cfg.generation, progress=False)
+        ref_sp = SequenceProcessor(copy.deepcopy(model).requires_grad_(False).eval(), tokenizer, cfg.generation,
+                                   progress=False)
     run = _Run(model, params, opt, sched, sp, ref_sp, 0, None)
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, opt, sched)
@@ -262,10 +270,14 @@ def _check_resume(state:dict, cfg:TrainConfig, path):
     "The saved config must be this one, except `steps` and `checkpoint_every`."
     old, new = TrainConfig(**state["config"]).to_dict(), cfg.to_dict()
     diff = sorted(k for k in set(old) | set(new) if k not in ("steps", "checkpoint_every") and old.get(k) != new.get(k))
-    if diff: raise ValueError(f"{path} was written with another config: {', '.join(f'{k}={old.get(k)!r} (now {new.get(k)!r})' for k in diff)}")
-    if state["step"] >= cfg.steps: raise ValueError(f"{path} has {state['step']} steps done: steps={cfg.steps} leaves nothing to run")
+    if diff:
+        raise ValueError(f"{path} was written with another config: "
+                         f"{', '.join(f'{k}={old.get(k)!r} (now {new.get(k)!r})' for k in diff)}")
+    if state["step"] >= cfg.steps:
+        raise ValueError(f"{path} has {state['step']} steps done: steps={cfg.steps} leaves nothing to run")
     if state["world_size"] != world_size():
-        warnings.warn(f"{path} was written with {state['world_size']} processes, now {world_size()}: prompts are sharded "
+        warnings.warn(f"{path} was written with {state['world_size']} processes, now {world_size()}: prompts are "
+                      "sharded "
                       "differently, so the continuation differs from the original run")
 
 def _prepare_out_dir(out:Path, cfg:TrainConfig, start:int):
@@ -273,8 +285,10 @@ def _prepare_out_dir(out:Path, cfg:TrainConfig, start:int):
     out.mkdir(parents=True, exist_ok=True)
     logf = out/"log.jsonl"
     if start == 0 and logf.exists() and logf.stat().st_size:
-        raise ValueError(f"{logf} exists: pass resume_from=latest_checkpoint({str(out)!r}) to continue that run, or a new out_dir")
-    kept = [l for l in logf.read_text().splitlines() if l.strip() and json.loads(l)["step"] < start] if logf.exists() else []
+        raise ValueError(f"{logf} exists: pass resume_from=latest_checkpoint({str(out)!r}) to continue that run, or a "
+                         "new out_dir")
+    lines = logf.read_text().splitlines() if logf.exists() else []
+    kept = [l for l in lines if l.strip() and json.loads(l)["step"] < start]
     logf.write_text("".join(l + "\n" for l in kept))
     (out/"config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
 
@@ -290,7 +304,8 @@ def _reduce_step(ro:Rollout, res:LogprobResults, step:int, last_ckpt) -> dict:
     "Global sums of the step's rewards, flags, tokens and entropies (one collective), as the record's means."
     rewards, m = ro.rewards, res.gen_mask
     flags = [k for k in FLAGS if all(k in r for row in ro.records for r in row)]
-    flag_sums = [float(torch.tensor([[r[k] for r in row] for row in ro.records], dtype=torch.bool).sum()) for k in flags]
+    flag_sums = [float(torch.tensor([[r[k] for r in row] for row in ro.records],
+                                    dtype=torch.bool).sum()) for k in flags]
     sums = torch.tensor([float(rewards.double().sum()), float((rewards.double() ** 2).sum()), rewards.numel(),
                          float((rewards.amax(1) == rewards.amin(1)).sum()), rewards.shape[0], float(m.sum()),
                          float((res.rb_entropies * m).sum()), float((res.full_entropies * m).sum())] + flag_sums,
@@ -320,9 +335,11 @@ def _optimizer_steps(run:_Run, ctx:StepContext, res:LogprobResults, ref_logp, cf
         run.opt.zero_grad(set_to_none=True)
         run.model.train()
         try:
-            bw = policy_gradient_backward(run.sp, ctx.batch, ctx.advantages, res.logprobs if cfg.num_iterations > 1 else None,
+            bw = policy_gradient_backward(run.sp, ctx.batch, ctx.advantages,
+                                          res.logprobs if cfg.num_iterations > 1 else None,
                                           length_norm=cfg.length_norm, clip_eps=cfg.clip_eps, beta=cfg.beta,
-                                          ref_logp=ref_logp, num_prompts=B, prompts_per_microbatch=cfg.prompts_per_microbatch)
+                                          ref_logp=ref_logp, num_prompts=B,
+                                          prompts_per_microbatch=cfg.prompts_per_microbatch)
         finally: run.model.eval()
         if not math.isfinite(bw["loss"]):
             raise FloatingPointError(f"step {ctx.step}: loss is {bw['loss']}; stopped before the optimizer step "
@@ -350,7 +367,7 @@ def _end_step(run:_Run, rec:dict, cfg:TrainConfig, out:Path|None):
         with open(out/"log.jsonl", "a") as f: f.write(json.dumps(rec, default=json_default) + "\n")
 
 def train(
-    model,                           # causal LM (load_policy / tiny_policy / any HF model); wrapped with LoRA when lora_r is set
+    model,                           # causal LM (load_policy / tiny_policy / any HF model); LoRA-wrapped when lora_r
     tokenizer,
     task=None,                       # Task for the default GenerationSource (ignored when `source` is given)
     config:TrainConfig|None=None,
@@ -363,8 +380,10 @@ def train(
     "Dr.GRPO training: per step a rollout from the source, scoring, advantages, μ optimizer steps; log, checkpoint."
     cfg = config if config is not None else TrainConfig()
     if cfg.prompts_per_step < world_size():
-        raise ValueError(f"prompts_per_step={cfg.prompts_per_step}: expected at least one prompt per process ({world_size()})")
-    if cfg.checkpoint_every and out_dir is None: raise ValueError(f"checkpoint_every={cfg.checkpoint_every} needs an out_dir")
+        raise ValueError(f"prompts_per_step={cfg.prompts_per_step}: expected at least one prompt per process "
+                         f"({world_size()})")
+    if cfg.checkpoint_every and out_dir is None:
+        raise ValueError(f"checkpoint_every={cfg.checkpoint_every} needs an out_dir")
     if source is None and task is None: raise ValueError("train needs a task (live generation) or a source")
     source = source if source is not None else GenerationSource(task)
     out = Path(out_dir) if out_dir is not None else None
@@ -384,7 +403,8 @@ def train(
             t_tf, t = time.perf_counter() - t, time.perf_counter()
             means = _reduce_step(ro, res, step, run.last_ckpt)
             ctx.step, ctx.batch, ctx.problems, ctx.records = step, ro.batch, ro.problems, ro.records
-            ctx.rewards, ctx.advantages, ctx.logprobs = ro.rewards, _advantages(ro.rewards, cfg, means["reward_std"]), res
+            ctx.rewards, ctx.logprobs = ro.rewards, res
+            ctx.advantages = _advantages(ro.rewards, cfg, means["reward_std"])
             lr = run.sched.get_last_lr()[0]
             its = _optimizer_steps(run, ctx, res, ref_logp, cfg, callbacks)
             mean = lambda k: sum(x[k] for x in its) / len(its)

@@ -31,7 +31,8 @@ def check_range(
     "Return `value` if it is a finite number (an integer if asked) within its range; else a ValueError naming both."
     kind = numbers.Integral if integer else numbers.Real
     ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (lo is None or (value > lo if lo_open else value >= lo)) and (hi is None or (value < hi if hi_open else value <= hi))
+    ok = ok and (lo is None or (value > lo if lo_open else value >= lo))
+    ok = ok and (hi is None or (value < hi if hi_open else value <= hi))
     if ok: return value
     what = "an integer" if integer else "a number"
     if hi is None: rng = f"{'>' if lo_open else '>='} {lo}" if lo is not None else ""
