@@ -31,20 +31,20 @@ def sample_losses(
     gen_mask:Tensor,           # [B, G, T] bool
     advantages:Tensor|None=None, # [B, G]; needed for loss_mode="grpo"
     loss_mode:str="grpo",      # "grpo" | "nll"
-    length_norm:str="sample",  # "sample" | "realized" | "max_new_tokens" (dr_grpo.length_normaliser)
-    max_len:int|None=None,     # L_max for length_norm="max_new_tokens"
+    length_norm:str="sample",  # "sample" | "realized" | "max_len" (dr_grpo.length_normaliser)
+    max_len:int|None=None,     # L_max for length_norm="max_len"
+    num_prompts:int|None=None, # global prompts the loss averages over (grpo); default B
 ) -> Tensor:                   # [B, G] each sample's term; .sum() is the batch loss
-    "Each sample's term of the batch loss (grpo: dr_grpo_loss with the other advantages zeroed; nll: −Σ log q / L / n)."
+    "Each sample's term of the batch loss (grpo: dr_grpo_loss's own per-sample terms; nll: −Σ log q / L / n)."
     check_choice("loss_mode", loss_mode, LOSS_MODES)
     B, G, _ = logp.shape
     if loss_mode == "nll":
         L = length_normaliser(gen_mask, max_len, length_norm).to(logp.dtype)
         return -(logp * gen_mask).sum(-1) / L / (B * G)
     if advantages is None: raise ValueError("loss_mode='grpo' needs advantages [B, G]")
-    one_hot = torch.eye(B * G, dtype=logp.dtype, device=logp.device).view(B * G, B, G)
     adv = advantages.to(device=logp.device, dtype=logp.dtype)
-    return torch.stack([dr_grpo_loss(logp, None, adv * e, gen_mask, max_len, length_norm=length_norm)
-                        for e in one_hot]).view(B, G)
+    return dr_grpo_loss(logp, None, adv, gen_mask, max_len, length_norm=length_norm, num_prompts=num_prompts,
+                        per_sample=True)
 
 # %% ../nbs/04b_contributions.ipynb #86bd38b0
 GRAD_METHODS = ("auto", "hooks", "vmap", "loop")
@@ -165,8 +165,9 @@ def sample_contributions(
     *,
     loss_mode:str="grpo",      # "grpo" | "nll"
     length_norm:str="sample",  # the same option v_hack extraction uses
-    max_len:int|None=None,     # L_max for length_norm="max_new_tokens"; default sp.config.max_new_tokens
+    max_len:int|None=None,     # L_max for length_norm="max_len"; default sp.config.max_new_tokens
     method:str="auto",         # "auto" | "hooks" | "vmap" | "loop"
+    num_prompts:int|None=None, # global prompts the loss averages over (as in training); default B
 ) -> Contributions:
     "Teacher-force `seqs` once and return every sample's gradient of its own loss term w.r.t. `params`."
     check_choice("method", method, GRAD_METHODS)
@@ -181,7 +182,8 @@ def sample_contributions(
     hooks = _LinearGradHooks(owners, params, B * G) if method == "hooks" else None
     with (hooks or nullcontext()):
         res, _ = sp.teacher_force_logprobs(seqs, with_grad=True, compute_rb=False)
-    losses = sample_losses(res.logprobs, res.gen_mask, advantages, loss_mode, length_norm, max_len).reshape(-1)
+    losses = sample_losses(res.logprobs, res.gen_mask, advantages, loss_mode, length_norm, max_len,
+                           num_prompts).reshape(-1)
     if hooks is not None:
         hooks.check_rows()
         torch.autograd.grad(losses.sum(), list(params.values()), allow_unused=True)

@@ -82,6 +82,7 @@ def dr_grpo_loss(
     length_norm:str="max_len",
     num_prompts:int|None=None,  # global number of prompts the loss is averaged over; default B
     return_stats:bool=False,    # also return sums for clip fraction and KL (global sums, reduce them yourself)
+    per_sample:bool=False,      # return each completion's term [B, G] instead of their sum
 ):
     "Dr.GRPO surrogate: token sums per prompt over G·L, averaged over prompts; the package's only policy-gradient loss."
     check_range("beta", beta, 0)
@@ -101,7 +102,8 @@ def dr_grpo_loss(
         d = (ref_logp - new_logp) * m
         per_tok = per_tok + beta * (d.exp() - d - 1)
     L = length_normaliser(gen_mask, max_len, length_norm)
-    loss = ((per_tok * m).sum(-1) / (G * L)).sum() / (num_prompts or B)
+    terms = (per_tok * m).sum(-1) / (G * L)                                         # [B, G]
+    loss = terms / (num_prompts or B) if per_sample else terms.sum() / (num_prompts or B)
     if not return_stats: return loss
     with torch.no_grad():
         clipped = ((ratio < 1 - lo) & (A < 0) | (ratio > 1 + hi) & (A > 0)) & gen_mask

@@ -1,4 +1,4 @@
-"""One Phase-2 step (a mixed replay group, each sample's contribution and its cosine with v_hack, before and after the arm's projection), the slim per-step files, the verification table with a verdict per row, and the decision on Phase 3.
+"""The mixed-replay probe on the training loop: per step each sample's contribution and its cosine with v_hack, the arm's projection and what the optimizer then does, the same numbers for control directions, and a verification table whose every verdict can fail.
 
 Docs: https://entropy-grpo.github.io/entropy_grpo/phase2.html.md"""
 
@@ -6,23 +6,23 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/phase2.html.md"""
 
 # %% ../nbs/06_phase2.ipynb #8eea66f3
 from __future__ import annotations
-import math, os, re, statistics, warnings
+import json, math, os, re, statistics, warnings
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
+from fastcore.basics import patch
 from torch import Tensor
 
-from .contributions import cosines, grad_norms, sample_contributions, unsqueeze_grads
-from .dr_grpo import group_advantages
-from .pools import Pool, mixed_records, read_jsonl_gz, replay_batch, step_files, write_jsonl_gz
-from .sequence_processor import SequenceProcessor
-from .utils import check_choice, clean_json, welch
+from .contributions import cosines, grad_norms, sample_contributions
+from .pools import read_jsonl_gz, step_files, write_jsonl_gz
+from .probes import optimizer_delta
+from .projection_arms import ProjectionArm, project_grad
+from .utils import check_choice, check_range, clean_json, row_cosines, welch
 
 # %% auto #0
-__all__ = ['SLIM_KEYS', 'save_step_slim', 'load_slim', 'alignment_step', 'read_contributions', 'verification_table',
-           'phase2_decision']
+__all__ = ['SLIM_KEYS', 'save_step_slim', 'load_slim', 'Phase2Recorder', 'load_steps', 'verification_table', 'decide',
+           'pool_flags']
 
 # %% ../nbs/06_phase2.ipynb #2810ba01
 SLIM_KEYS = ("step", "sample_id", "src_pool", "src_step", "src_sample", "reward", "hacked", "gt_pass", "fmt_ok",
@@ -76,79 +76,127 @@ def load_slim(
     return sorted(recs, key=lambda r: (r["arm"], r["step"], r["sample_id"]))
 
 # %% ../nbs/06_phase2.ipynb #edd5e508
-def alignment_step(
-    sp:SequenceProcessor,      # the student policy
-    pools:list[Pool],          # [teacher, base] (any number of pools)
-    step:int,                  # Phase-2 step = the step file replayed from every pool
-    params,                    # parameter set (adapter) the gradients are taken over
-    V,                         # v_hack over those parameters (dict or flat)
-    *,
-    per_pool:int=4,            # samples per pool: G = per_pool·len(pools)
-    arm:str="vanilla",         # written into every slim record
-    project:Callable|None=None, # grads -> (projected grads, stats with frac_fired); None = vanilla
-    loss_mode:str="grpo",
-    length_norm:str="sample",
-    max_len:int|None=None,
-    method:str="auto",         # per-sample gradient method (sample_contributions)
-    cos_reduce:str="concat",
-    prompt_key:str="prompt",
-    retokenize:bool=False,
-    seed:int=0,                # which samples of each pool step
-    min_spread:float=0.1,      # r.max() − r.min() below this: "no advantage signal"
-    out_dir:str|os.PathLike|None=None, # the arm's directory: writes step_NNN.cos.jsonl.gz
-) -> dict:                     # records, flags, rewards, advantages, grad, grad_used, project_stats, contributions, …
-    "One Phase-2 step of one arm: mixed group -> per-sample contributions -> aggregate (projected) -> slim records."
-    recs = mixed_records(pools, step, per_pool, seed)
-    seqs = replay_batch(recs, sp.tokenizer, prompt_key, retokenize)
-    rewards = torch.tensor([[float(r["reward"]) for r in recs]], dtype=torch.float64)
-    adv = group_advantages(rewards)
-    spread, flags = float(rewards.max() - rewards.min()), []
-    if loss_mode == "grpo" and spread < min_spread:
-        flags.append(f"no advantage signal: r.max() - r.min() = {spread:.3g} < {min_spread} (all advantages ~0)")
-        warnings.warn(f"step {step}, arm {arm!r}: {flags[-1]}")
-    con = sample_contributions(sp, seqs, params, adv, loss_mode=loss_mode, length_norm=length_norm,
-                               max_len=max_len, method=method)
-    read = read_contributions(step, recs, seqs.gen_lens[0], con, V, arm, project, cos_reduce)
-    if out_dir is not None: save_step_slim(out_dir, step, read["records"])
-    return dict(read, flags=flags, reward_spread=spread, rewards=rewards[0], advantages=adv[0], contributions=con,
-                mixed=recs, gen_lens=seqs.gen_lens[0], loss=con.loss)
+def _flat(d:dict) -> Tensor:
+    "{module: vector} as one float64 vector (module order as given)."
+    return torch.cat([v.reshape(-1).double() for v in d.values()])
 
-def read_contributions(
-    step:int,
-    recs:list[dict],           # the group's pool records, in contribution order
-    gen_lens:Tensor,           # [G] completion lengths
-    con,                       # the group's Contributions
-    V,                         # direction the cosines are taken with
-    arm:str="vanilla",
-    project:Callable|None=None,
-    cos_reduce:str="concat",
-) -> dict:                     # records (slim), grad, grad_used, project_stats
-    "Slim records of one step's contributions read against V (and the aggregate projected by `project`)."
-    cos_s, norms = cosines(con.grads, V, cos_reduce), grad_norms(con.grads)
-    grad = con.total()
-    cos_in = clean_json(cosines(unsqueeze_grads(grad), V, cos_reduce)[0])
-    grad_used, cos_out, frac, pstats = grad, None, None, None
-    if project is not None:
-        grad_used, pstats = project(grad)
-        cos_out = clean_json(cosines(unsqueeze_grads(grad_used), V, cos_reduce)[0])
-        frac = None if pstats.get("frac_fired") is None else clean_json(pstats["frac_fired"])
-    records = [dict(step=step, sample_id=i, src_pool=r["src_pool"], src_step=r["src_step"], src_sample=r["src_sample"],
-                    reward=float(r["reward"]), hacked=bool(r["hacked"]), gt_pass=bool(r["gt_pass"]),
-                    fmt_ok=bool(r["fmt_ok"]),
-                    comp_len=int(gen_lens[i]), cos_S_contrib=clean_json(cos_s[i]), grad_norm_contrib=float(norms[i]),
-                    mean_cos_in=cos_in, mean_cos_out=cos_out, frac_fired=frac, arm=arm) for i, r in enumerate(recs)]
-    return dict(records=records, grad=grad, grad_used=grad_used, project_stats=pstats)
+def _cos(a:dict, b:dict) -> float|None:
+    "Cosine of two {module: vector} dicts over all their coordinates; None where either is zero."
+    return clean_json(row_cosines(_flat(a)[None], _flat({m: b[m] for m in a}))[0])
 
-# %% ../nbs/06_phase2.ipynb #f5c9e472
+def _toward(d:dict, u:dict) -> float|None:
+    "Cosine of a step −Δθ with u: in the gradient convention of v_hack, > 0 moves toward hacking."
+    return _cos({m: -v for m, v in d.items()}, u)
+
+def _removed(g:dict, g_used:dict) -> float:
+    "Share of the gradient norm a projection removed."
+    n = float(_flat(g).norm())
+    return 1 - float(_flat(g_used).norm()) / n if n > 0 else 0.0
+
+def _overshot(g:dict, g_used:dict, V:dict) -> int:
+    "Components the projection pushed past zero: changed, and now below −1e-6·|c_in| (an overshoot, or a bug)."
+    n = 0
+    for m, Vm in V.items():
+        c_in, c_out = Vm.double() @ g[m].double(), Vm.double() @ g_used[m].double()
+        n += int(((c_out < c_in - 1e-12) & (c_out < -1e-6 * c_in.abs())).sum())
+    return n
+
+# %% ../nbs/06_phase2.ipynb #87ede4b1
+class Phase2Recorder:
+    "Callback of one Phase-2 arm in `training.train`: contributions, the arm's projection, Δθ, controls, slim rows."
+    def __init__(
+        self,
+        arm:ProjectionArm,          # the arm, with its adapter and v_hack
+        controls:list=(),           # VHacks on the same adapter, k and modules: label-permuted and random directions
+        out_dir:str|os.PathLike|None=None,  # this arm's directory: step_NNN.cos.jsonl.gz files and steps.jsonl
+    ):
+        if arm.v_hack is None: raise ValueError(f"arm {arm.arm!r} has no v_hack: Phase 2 measures against one")
+        for c in controls:
+            if set(c.V) != set(arm.v_hack.V) or c.k != arm.v_hack.k:
+                raise ValueError(f"control ({c.meta.get('source')}) has k={c.k} on {len(c.V)} modules, the arm's "
+                                 "v_hack "
+                                 f"k={arm.v_hack.k} on {len(arm.v_hack.V)}: a control must match the arm")
+            c.check(arm.adapter)
+        self.arm, self.controls = arm, [c.to(arm.adapter.parameters()[0].device) for c in controls]
+        self.out, self.steps, self.slim, self._now = None if out_dir is None else Path(out_dir), [], [], None
+        self.u = {m: v.sum(0) for m, v in arm.v_hack.V.items()}
+
+    def _modules(self, tensors:list) -> dict:
+        "Per-parameter tensors (adapter order) as {module: vector}."
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        return dict(zip(self.arm.adapter.dims, flat.split(list(self.arm.adapter.dims.values()))))
+
+    def _delta(self, opt, vecs:dict, max_norm) -> dict:
+        "{module: Δθ} the optimizer takes from gradient `vecs` after clipping to max_norm (its state untouched)."
+        scale = min(1.0, max_norm / (float(_flat(vecs).norm()) + 1e-6)) if max_norm else 1.0
+        params = self.arm.adapter.parameters()
+        parts = _flat(vecs).split([p.numel() for p in params])
+        d = optimizer_delta(opt, grads={p: (t * scale).to(p.dtype).view_as(p) for p, t in zip(params, parts)})
+        return self._modules([d.get(p, torch.zeros_like(p)) for p in params])
+
+# %% ../nbs/06_phase2.ipynb #bfadc1f3
+@patch
+def on_after_backward(self:Phase2Recorder, ctx):
+    "Contributions, the arm's projection and every Δθ, before clipping and the optimizer step."
+    ad, cfg, opt = self.arm.adapter, ctx.config, ctx.optimizer
+    g = ad.flat_grads()
+    named = {n: p for n, p in ad.model.named_parameters() if p.requires_grad}
+    con = sample_contributions(ctx.sp, ctx.batch, named, ctx.advantages, loss_mode="grpo", length_norm=cfg.length_norm,
+                               max_len=cfg.generation.max_new_tokens, num_prompts=cfg.prompts_per_step)
+    self.arm.on_after_backward(ctx)
+    g_used, clip = ad.flat_grads(), cfg.max_grad_norm
+    d_used, d_plain = self._delta(opt, g_used, clip), self._delta(opt, g, clip)
+    ctrl = []
+    for c in self.controls:
+        u_c = {m: v.sum(0) for m, v in c.V.items()}
+        g_c = project_grad(g, c.V, self.arm.gate, self.arm.overshoot)[0] if self.arm.projects else g
+        ctrl.append(dict(source=c.meta.get("source"), cos_in=_cos(g, u_c), removed=_removed(g, g_c),
+                         cos_step=_toward(self._delta(opt, g_c, clip) if self.arm.projects else d_plain, u_c),
+                         cos_step_plain=_toward(d_plain, u_c),
+                         contrib=[clean_json(x) for x in cosines(con.grads, c.direction(ad))]))
+    self._now = dict(con=con, d_used=d_used, theta=[p.detach().clone() for p in ad.parameters()], stats=dict(
+        cos_in=_cos(g, self.u), cos_out=_cos(g_used, self.u) if self.arm.projects else None,
+        removed=_removed(g, g_used), overshot=_overshot(g, g_used, self.arm.v_hack.V),
+        cos_step=_toward(d_used, self.u), cos_step_plain=_toward(d_plain, self.u), controls=ctrl))
+
+# %% ../nbs/06_phase2.ipynb #62d25593
+@patch
+def on_step_end(self:Phase2Recorder, ctx, record:dict):
+    "Check the actual Δθ, then write the step's slim rows and its line of steps.jsonl; add the numbers to the record."
+    self.arm.on_step_end(ctx, record)
+    now, ad = self._now, self.arm.adapter
+    actual = self._modules([p.detach() - t for p, t in zip(ad.parameters(), now["theta"])])
+    err = float((_flat(actual) - _flat(now["d_used"])).norm() / _flat(actual).norm().clamp_min(1e-30))
+    recs = [r for group in ctx.problems for r in group]
+    if not all("src_pool" in r for r in recs):
+        raise ValueError("Phase2Recorder needs replayed pool records (ReplaySource)")
+    cos_s, norms = cosines(now["con"].grads, self.arm.v_hack.direction(ad)), grad_norms(now["con"].grads)
+    st = now["stats"]
+    frac = clean_json(record.get("frac_fired")) if self.arm.projects else None
+    slim = [dict(step=ctx.step, sample_id=i, src_pool=r["src_pool"], src_step=r["src_step"], src_sample=r["src_sample"],
+                 reward=float(r["reward"]), hacked=bool(r["hacked"]), gt_pass=bool(r["gt_pass"]),
+                 fmt_ok=bool(r["fmt_ok"]),
+                 comp_len=int(ctx.batch.gen_lens.reshape(-1)[i]), cos_S_contrib=clean_json(cos_s[i]),
+                 grad_norm_contrib=float(norms[i]), mean_cos_in=st["cos_in"], mean_cos_out=st["cos_out"],
+                 frac_fired=frac, arm=self.arm.arm) for i, r in enumerate(recs)]
+    line = dict(step=ctx.step, arm=self.arm.arm, frac_fired=frac, delta_check=err,
+                reward_spread=float(ctx.rewards.max() - ctx.rewards.min()), **st)
+    self.steps.append(line); self.slim += slim
+    if self.out is not None:
+        save_step_slim(self.out, ctx.step, slim)
+        with open(self.out/"steps.jsonl", "a") as f: f.write(json.dumps(line) + "\n")
+    record.update({k: st[k] for k in ("removed", "cos_step", "cos_step_plain", "overshot")}, delta_check=err)
+
+def load_steps(arm_dir:str|os.PathLike) -> list[dict]:
+    "The recorder's per-step lines of one arm's directory."
+    p = Path(arm_dir)/"steps.jsonl"
+    if not p.exists(): raise FileNotFoundError(f"{p} not found: expected a Phase2Recorder's steps.jsonl")
+    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+
+# %% ../nbs/06_phase2.ipynb #cf9b04f9
 def _need(most, n):
     "Steps needed for 'most of n' (16 of 20 at most = 0.8), free of float rounding."
     return math.ceil(round(most * n, 9))
-
-def _by_step(records):
-    "{(arm, step): [records]}."
-    out = {}
-    for r in records: out.setdefault((r["arm"], r["step"]), []).append(r)
-    return out
 
 def _fmt(x, spec=".3f"):
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
@@ -157,172 +205,205 @@ def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 
-def _spread_row(arm, groups, most, min_spread, good_spread):
-    steps = sorted(groups)
-    spreads = [max(r["reward"] for r in groups[s]) - min(r["reward"] for r in groups[s]) for s in steps]
-    advs = sorted(abs(r["reward"] - statistics.fmean(x["reward"] for x in groups[s])) for s in steps for r in groups[s])
-    dead = [s for s, x in zip(steps, spreads) if x < min_spread]
-    n_good = sum(x > good_spread for x in spreads)
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+def _row(key, metric, arm, value, null, verdict, detail=""):
+    return dict(key=key, metric=metric, arm=arm, value=value, null=null, verdict=verdict, detail=detail)
+
+def _controls(step:dict, source:str, key:str) -> list:
+    "A step's control values of one source ('permuted' | 'random')."
+    return [c[key] for c in step["controls"] if c["source"] == source and c[key] is not None]
+
+def _spread_row(arm, slim, steps, most, min_spread, good_spread):
+    spreads = [s["reward_spread"] for s in steps]
+    by = {}
+    for r in slim: by.setdefault(r["step"], []).append(r["reward"])
+    advs = sorted(abs(x - statistics.fmean(v)) for v in by.values() for x in v) or [0.0]
+    dead = [s["step"] for s in steps if s["reward_spread"] < min_spread]
+    n_good, need = sum(x > good_spread for x in spreads), _need(most, len(steps))
     q = lambda f: advs[min(len(advs) - 1, int(f * len(advs)))]
-    detail = f"abs(advantage) quantiles 0/25/50/75/100%: {', '.join(_fmt(q(f), '.3g') for f in (0, .25, .5, .75, 1))}"
+    detail = f"|advantage| quantiles 0/25/50/75/100%: {', '.join(_fmt(q(f), '.3g') for f in (0, .25, .5, .75, 1))}"
     if dead: detail = f"no advantage signal on steps {dead}; " + detail
-    if len(dead) > len(steps) - _need(most, len(steps)): verdict = "likely fail"
-    elif n_good >= _need(most, len(steps)): verdict = "success"
-    else: verdict, detail = "sneaky fail", f"advantages small but non-zero; {detail}"
-    return dict(metric="reward spread r.max()-r.min() per step", arm=arm,
-                value=f"median {_fmt(_median(spreads))}; > {good_spread} on {n_good}/{len(steps)} steps",
-                per_step=spreads, null_random=None, null_shuffled=None, verdict=verdict, detail=detail)
+    if len(dead) > len(steps) - need: verdict = "likely fail"
+    elif n_good >= need: verdict = "success"
+    else: verdict, detail = "sneaky fail", "advantages small but non-zero; " + detail
+    return _row("reward_spread", "reward spread r.max()-r.min() per step", arm,
+                f"median {_fmt(_median(spreads))}; > {good_spread} on {n_good}/{len(steps)} steps", None, verdict,
+                detail)
 
-def _cos_in_row(arm, groups, shuffled_groups, most, tol, null):
-    steps = sorted(groups)
-    vals = [groups[s][0]["mean_cos_in"] for s in steps]
-    med, n_pos = _median(vals), sum(v is not None and v > tol for v in vals)
-    undefined = [s for s, v in zip(steps, vals) if v is None]
-    detail = f"tol {tol:.3g}" + (f"; undefined (zero gradient) on steps {undefined}" if undefined else "")
-    if med is not None and med < -tol:
-        verdict, detail = "sneaky fail", "negative: base outweighs teacher in advantage, sign reversed; " + detail
-    elif n_pos >= _need(most, len(steps)): verdict = "success"
-    else: verdict, detail = "likely fail", "≈ 0: GRPO gradient orthogonal to v_hack, projection won't help; " + detail
-    shuf = _median([g[0]["mean_cos_in"] for g in shuffled_groups.values()]) if shuffled_groups else None
-    return dict(metric="cos_in per step (vanilla arm)", arm=arm,
-                value=f"median {_fmt(med)}; > tol on {n_pos}/{len(steps)} steps",
-                per_step=vals, null_random=null, null_shuffled=shuf, verdict=verdict, detail=detail)
+# %% ../nbs/06_phase2.ipynb #866fc9fe
+def _cos_in_row(arm, steps, most, q):
+    vals = [s["cos_in"] for s in steps]
+    rand, perm = ([_controls(s, src, "cos_in") for s in steps] for src in ("random", "permuted"))
+    if not rand or not all(rand):
+        return _row("cos_in", "cos_in per step vs control directions", arm, f"median {_fmt(_median(vals))}",
+                    None, "inconclusive", "no steps or no random control directions: nothing to compare with")
+    hi = [float(np.quantile(np.abs(r), q)) for r in rand]
+    above = sum(v is not None and v > h for v, h in zip(vals, hi))
+    below = sum(v is not None and v < -h for v, h in zip(vals, hi))
+    beats_perm = sum(v is not None and bool(p) and v > statistics.median(p) for v, p in zip(vals, perm))
+    need = _need(most, len(steps))
+    null = f"{len(rand[0])} random, median {q:.0%} quantile of |cos| {_fmt(_median(hi))}"
+    if all(perm):
+        null += f"; {len(perm[0])} label-permuted, median {_fmt(_median([statistics.median(p) for p in perm]))}"
+    if above >= need and (not all(perm) or beats_perm >= need): verdict, detail = "success", ""
+    elif above >= need: verdict, detail = "likely fail", (f"aligned beyond chance, but above the label-permuted "
+                                                          f"directions' median on {beats_perm}/{len(steps)} steps only")
+    elif below >= need: verdict, detail = "sneaky fail", "below the null: sign reversed (base outweighs teacher)"
+    else: verdict, detail = "likely fail", "within the random-direction null: not aligned with v_hack beyond chance"
+    return _row("cos_in", "cos_in per step vs control directions", arm,
+                f"median {_fmt(_median(vals))}; beyond the random null on {above}/{len(steps)} steps", null, verdict,
+                detail)
 
-def _projected_row(arm, groups, shuffled_groups, most, tol, null, fired_min):
-    steps = sorted(groups)
-    pairs = [(groups[s][0]["mean_cos_in"], groups[s][0]["mean_cos_out"]) for s in steps]
-    below = lambda ps: sum(i is not None and o is not None and o < i for i, o in ps)
-    n_below, fired = below(pairs), _median([groups[s][0]["frac_fired"] for s in steps])
-    below0 = [s for s, (_, o) in zip(steps, pairs) if o is not None and o < -tol]
-    over = [s for s in below0 if groups[s][0]["frac_fired"] >= 1]        # nothing unprojected left to be negative
-    detail = f"median frac_fired {_fmt(fired, '.2f')}" + ("; over-projection (cos_out < 0 with every module fired) "
-                                                          "on steps "
-                                                           f"{over}: a bug, stop" if over else "")
-    unfired = [s for s in below0 if s not in over]
-    if unfired:
-        detail += (f"; cos_out < 0 on steps {unfired} from the modules left unprojected "
-                   "(one-sided: their component was already negative)")
-    if fired is not None and fired < fired_min:
-        verdict, detail = "sneaky fail", f"projection fires on few modules (< {fired_min}); " + detail
-    elif n_below >= _need(most, len(steps)): verdict = "success"
-    else: verdict, detail = "likely fail", "mechanism inactive; " + detail
-    shuf_pairs = [(g[0]['mean_cos_in'], g[0]['mean_cos_out']) for g in shuffled_groups.values()]
-    shuf = (f"{below(shuf_pairs)}/{len(shuffled_groups)} steps"
-            if shuffled_groups else None)
-    return dict(metric="cos_out < cos_in per step (projected arm)", arm=arm,
-                value=f"{n_below}/{len(steps)} steps; median cos_out {_fmt(_median([o for _, o in pairs]))}",
-                per_step=pairs, null_random=null, null_shuffled=shuf, verdict=verdict, detail=detail)
+def _buckets(slim:list, cos:list, teacher, base):
+    "(teacher/hacked, base/clean) cosines of slim rows, with per-row cosines `cos` (None left out)."
+    a = [c for r, c in zip(slim, cos) if c is not None and r["src_pool"] == teacher and r["hacked"]]
+    b = [c for r, c in zip(slim, cos) if c is not None and r["src_pool"] == base and not r["hacked"]]
+    return a, b
 
-def _buckets(recs):
-    out = {}
-    for r in recs:
-        if r["cos_S_contrib"] is not None:
-            out.setdefault((r["src_pool"], bool(r["hacked"])), []).append(r["cos_S_contrib"])
-    return out
+def _label_null(a:list, b:list, n:int=200, seed:int=0) -> list:
+    "Welch t of the two groups with their membership permuted n times: the null of 'the groups differ'."
+    pooled, rng = a + b, np.random.default_rng(seed)
+    return [welch(list(x[:len(a)]), list(x[len(a):]))["t"] for x in (rng.permutation(pooled) for _ in range(n))]
 
-def _contrib_row(arm, recs, shuffled_recs, teacher_pool, base_pool, tol, null, alpha):
-    b = _buckets(recs)
-    a_key, b_key = (teacher_pool, True), (base_pool, False)
-    parts = [f"{p}/{'hacked' if h else 'clean'} {_fmt(statistics.fmean(v))} (n={len(v)})" for (p, h),
-             v in sorted(b.items())]
-    value = "; ".join(parts) or "no defined cosine"
-    w = welch(b.get(a_key, []), b.get(b_key, []))
-    detail = f"Welch {teacher_pool}/hacked vs {base_pool}/clean: t={_fmt(w['t'], '.2f')}, p={_fmt(w['p'], '.2g')}"
-    if not b.get(a_key) or not b.get(b_key):
-        verdict, detail = "sneaky fail", f"bucket {teacher_pool}/hacked or {base_pool}/clean empty: mixing was required"
-    elif w["mean_a"] > tol and w["mean_a"] - w["mean_b"] > tol and w["t"] > 0 and w["p"] < alpha: verdict = "success"
-    else: verdict, detail = "likely fail", "both buckets similar: v_hack not direction-specific; " + detail
-    shuf = None
-    if shuffled_recs:
-        sb = _buckets(shuffled_recs)
-        mean_of = lambda key: _fmt(statistics.fmean(sb[key]) if sb.get(key) else None)
-        shuf = f"{mean_of(a_key)} vs {mean_of(b_key)}"
-    return dict(metric="cos_S_contrib by (src_pool, hacked)", arm=arm, value=value, per_step=None,
-                null_random=null, null_shuffled=shuf, verdict=verdict, detail=detail)
+def _contrib_row(arm, slim, teacher, base, alpha, min_hacked, q):
+    a, b = _buckets(slim, [r["cos_S_contrib"] for r in slim], teacher, base)
+    w = welch(a, b)
+    null_t = [t for t in _label_null(a, b) if not math.isnan(t)] if len(a) >= 2 and len(b) >= 2 else []
+    t_hi = float(np.quantile(null_t, q)) if null_t else None
+    value = (f"{teacher}/hacked {_fmt(w['mean_a'])} (n={w['n_a']}) vs {base}/clean {_fmt(w['mean_b'])} (n={w['n_b']}); "
+             f"Welch t={_fmt(w['t'], '.2f')}, p={_fmt(w['p'], '.2g')}")
+    null = f"labels permuted 200×: t {q:.0%} quantile {_fmt(t_hi, '.2f')}" if null_t else None
+    if not a or not b:
+        verdict, detail = "sneaky fail", f"bucket {teacher}/hacked or {base}/clean empty: mixing was required"
+    elif len(a) < min_hacked: verdict, detail = "inconclusive", f"too few hacked samples: n={len(a)} < {min_hacked}"
+    elif t_hi is not None and w["t"] > max(2.0, t_hi) and w["p"] < alpha: verdict, detail = "success", ""
+    else:
+        verdict, detail = "likely fail", "buckets alike, within the label-permuted null: v_hack not specific to hacking"
+    return _row("contrib", "cos_S_contrib teacher/hacked vs base/clean (held out)", arm, value, null, verdict, detail)
 
+# %% ../nbs/06_phase2.ipynb #8b6c5ce2
+def _projection_rows(arm, steps, fired_min, q):
+    "The projected arm's own rows: the tautology (labelled), over-projection, and the two effectiveness rows."
+    fired = _median([s["frac_fired"] for s in steps])
+    n_below = sum(s["cos_out"] is not None and s["cos_in"] is not None and s["cos_out"] < s["cos_in"] for s in steps)
+    verdict = "sneaky fail" if fired is not None and fired < fired_min else "by construction"
+    rows = [_row("cos_out_below_in", "cos_out < cos_in per step", arm,
+                 f"{n_below}/{len(steps)} steps; median frac_fired "
+                 f"{_fmt(fired, '.2f')}", None, verdict, "true by construction for a one-sided projection; judged by "
+                 "the rows below" + (f"; fires on few modules (< {fired_min})" if verdict == "sneaky fail" else ""))]
+    over = [s["step"] for s in steps if s["overshot"]]
+    rows.append(_row("over_projection", "components pushed past zero", arm, f"{sum(s['overshot'] for s in steps)} "
+                     "components", None, "fail" if over else "success",
+                     f"over-projection on steps {over}: a bug, stop" if over else ""))
+    both = [s for s in steps if None not in (s["cos_step"], s["cos_step_plain"])]
+    eff = _mean([s["cos_step_plain"] - s["cos_step"] for s in both])
+    n_ctrl = len(steps[0]["controls"]) if steps else 0
+    ctrl = lambda s, j, key: s["controls"][j][key]
+    null_eff = [_mean([ctrl(s, j, "cos_step_plain") - ctrl(s, j, "cos_step") for s in steps
+                       if None not in (ctrl(s, j, "cos_step_plain"), ctrl(s, j, "cos_step"))]) for j in range(n_ctrl)]
+    null_eff = [x for x in null_eff if x is not None]
+    hi = float(np.quantile(null_eff, q)) if null_eff else None
+    step_cos = _mean([s["cos_step"] for s in steps])
+    ctrl_cos = [abs(c["cos_step"]) for s in steps for c in s["controls"] if c["cos_step"] is not None]
+    ctrl_hi = float(np.quantile(ctrl_cos, q)) if ctrl_cos else None
+    if hi is None: v, d = "inconclusive", "no control directions"
+    elif step_cos is not None and step_cos > ctrl_hi:
+        v, d = "sneaky fail", "the projected step still moves toward hacking"
+    elif eff is not None and eff > hi: v, d = "success", ""
+    else: v, d = "likely fail", "within the control directions' null"
+    rows.append(_row("step_along_v", "cos(−Δθ, v_hack): unprojected − projected step", arm,
+                     f"{_fmt(eff)} (projected step cos {_fmt(step_cos)})",
+                     f"{n_ctrl} controls; {q:.0%} quantile {_fmt(hi)}" if hi is not None else None, v, d))
+    removed = _mean([s["removed"] for s in steps])
+    null_rm = [_mean([ctrl(s, j, "removed") for s in steps]) for j in range(n_ctrl)]
+    rm_hi = float(np.quantile(null_rm, q)) if null_rm else None
+    v = "inconclusive" if rm_hi is None else "success" if removed > rm_hi else "likely fail"
+    rows.append(_row("norm_removed", "share of gradient norm removed", arm, _fmt(removed),
+                     f"{n_ctrl} controls; {q:.0%} quantile {_fmt(rm_hi)}" if rm_hi is not None else None, v,
+                     "" if v != "likely fail" else "within the control directions' null"))
+    return rows
+
+def _between_arms(key, metric, arm, mine:list, theirs:list, alpha):
+    "Welch of an arm's values against the vanilla arm's: success when lower."
+    w = welch(mine, theirs)
+    if math.isnan(w["t"]): v, d = "inconclusive", f"n={w['n_a']} vs {w['n_b']}: too few values"
+    elif w["t"] < -2 and w["p"] < alpha: v, d = "success", ""
+    elif w["t"] > 2 and w["p"] < alpha: v, d = "sneaky fail", "higher than in the vanilla arm"
+    else: v, d = "likely fail", "not lower than in the vanilla arm"
+    return _row(key, metric, arm, f"{_fmt(w['mean_a'])} vs vanilla {_fmt(w['mean_b'])} (t={_fmt(w['t'], '.2f')}, "
+                f"n={w['n_a']}/{w['n_b']})", "the vanilla arm", v, d)
+
+# %% ../nbs/06_phase2.ipynb #987f509e
 def verification_table(
-    records:list[dict],        # slim records of one run (every arm), e.g. load_slim(run_dir)
+    arms:dict,                 # {arm: dict(slim=[...], steps=[...])}: load_slim / load_steps of each arm's directory
     *,
-    dim:int,                   # N: dimension of the space the cosines are taken in (number of chosen parameters)
-    n_directions:int=1,        # k directions in V (null √(k/N))
-    shuffled:list[dict]|None=None, # slim records of the same run with a label-shuffled v_hack
     teacher_pool:str="teacher",
     base_pool:str="base",
-    vanilla_arm:str="vanilla",
     most:float=0.8,            # "most steps" (16 of 20)
     min_spread:float=0.1,      # below: no advantage signal
     good_spread:float=1.0,     # above: real reward variance
-    zero_tol:float|None=None,  # |cos| <= tol counts as ≈ 0; default 3·√(k/N)
     fired_min:float=0.2,       # median frac_fired below: fires on few modules
-    alpha:float=0.05,          # significance of the bucket test
-) -> tuple[list[dict], str]:   # rows (metric, arm, value, per_step, null_*, verdict, detail), markdown
-    "The Phase-2 verification table from slim records: one row per metric and arm, each with its verdict."
-    if not records: raise ValueError("records is empty: expected slim records (load_slim)")
-    if not isinstance(dim, int) or dim < 1: raise ValueError(f"dim={dim!r}: expected the number of parameters N >= 1")
-    if not 0 < most <= 1: raise ValueError(f"most={most!r}: expected a fraction in (0, 1]")
-    null = math.sqrt(n_directions / dim)
-    tol = 3 * null if zero_tol is None else zero_tol
-    groups, sgroups = _by_step(records), _by_step(shuffled or [])
-    arms = sorted({a for a, _ in groups}, key=lambda a: (a != vanilla_arm, a))
-    of = lambda g, arm: {s: v for (a, s), v in g.items() if a == arm}
-    rows = [_spread_row(a, of(groups, a), most, min_spread, good_spread) for a in arms]
-    if vanilla_arm in arms:
-        rows.append(_cos_in_row(vanilla_arm, of(groups, vanilla_arm), of(sgroups, vanilla_arm), most, tol, null))
-    for a in arms:
-        if a != vanilla_arm and any(v[0]["mean_cos_out"] is not None for v in of(groups, a).values()):
-            rows.append(_projected_row(a, of(groups, a), of(sgroups, a), most, tol, null, fired_min))
-    rows += [_contrib_row(a, [r for r in records if r["arm"] == a], [r for r in (shuffled or []) if r["arm"] == a],
-                          teacher_pool, base_pool, tol, null, alpha) for a in arms]
-    head = ("| metric | arm | value | null (random dir) | null (shuffled dir) | verdict | detail |\n"
-            "|---|---|---|---|---|---|---|\n")
-    md = head + "\n".join(f"| {r['metric']} | {r['arm']} | {r['value']} | {_fmt(r['null_random'], '.3g')} | "
-                          f"{r['null_shuffled'] if isinstance(r['null_shuffled'], str) else _fmt(r['null_shuffled'])} "
-                          "| "
-                          f"**{r['verdict']}** | {r['detail']} |" for r in rows)
+    alpha:float=0.05,          # significance of the Welch tests
+    min_hacked:int=5,          # fewer hacked samples: the contribution row cannot decide
+    q:float=0.95,              # the null quantile a value must exceed
+) -> tuple[list[dict], str]:   # rows (key, metric, arm, value, null, verdict, detail), markdown
+    "The Phase-2 verification table: one row per metric and arm, each against its control, each with its verdict."
+    if not arms: raise ValueError("arms is empty: expected {arm: dict(slim=..., steps=...)}")
+    check_range("most", most, 0, 1, lo_open=True)
+    vanilla = [a for a in arms if not a.startswith("projected")]
+    rows = []
+    for a, d in arms.items():
+        rows.append(_spread_row(a, d["slim"], d["steps"], most, min_spread, good_spread))
+        if a in vanilla:
+            rows += [_cos_in_row(a, d["steps"], most, q),
+                     _contrib_row(a, d["slim"], teacher_pool, base_pool, alpha, min_hacked, q)]
+        else:
+            rows += _projection_rows(a, d["steps"], fired_min, q)
+            if vanilla:
+                v = arms[vanilla[0]]
+                hacked = lambda slim: _buckets(slim, [r["cos_S_contrib"] for r in slim], teacher_pool, base_pool)[0]
+                rows += [_between_arms("next_cos_in", "cos_in, steps ≥ 1, vs the vanilla arm", a,
+                                       [s["cos_in"] for s in d["steps"][1:] if s["cos_in"] is not None],
+                                       [s["cos_in"] for s in v["steps"][1:] if s["cos_in"] is not None], alpha),
+                         _between_arms("hacked_contrib", "teacher/hacked cos_S_contrib vs the vanilla arm", a,
+                                       hacked(d["slim"]), hacked(v["slim"]), alpha)]
+    head = "| metric | arm | value | null | verdict | detail |\n|---|---|---|---|---|---|\n"
+    md = head + "\n".join(f"| {r['metric']} | {r['arm']} | {r['value']} | {r['null'] or '—'} | **{r['verdict']}** | "
+                          f"{r['detail']} |" for r in rows)
     return rows, md
 
 # %% ../nbs/06_phase2.ipynb #62097907
-def phase2_decision(
-    cos_in_vanilla:list,        # per step, vanilla arm
-    cos_out_projected:list|None,# per step, projected arm (None if not run)
-    contrib_teacher:list,       # cos_S_contrib of teacher-pool samples (all steps)
-    contrib_base:list,          # cos_S_contrib of base-pool samples
-    null_level:float=0.0,       # √(k/N) of a random direction
-    consistent_frac:float=0.8,
-    frac_fired_projected:list|None=None, # per step, the projected arm's share of modules projected (None: all)
-)->dict:                        # recommendation, launch_phase3, stop, rules fired, thresholds
-    "The Phase-2 → Phase-3 decision, every rule that fired listed."
-    cin = np.asarray(cos_in_vanilla, float)
-    if cin.size == 0: raise ValueError("cos_in_vanilla is empty: the vanilla arm produced no steps")
-    zero_tol = max(0.05, 3 * null_level)
-    t = welch(contrib_teacher, contrib_base)["t"]
-    discriminates = bool(t >= 2)
-    fired, launch, stop = [], True, False
-    cout = None if cos_out_projected is None or len(cos_out_projected) == 0 else np.asarray(cos_out_projected, float)
-    full = cout if cout is None or frac_fired_projected is None else cout[np.asarray(frac_fired_projected, float) >= 1]
-    if full is not None and full.size and full.mean() < -zero_tol:
-        fired.append("over-projection: projection drives cos below 0 with every module projected → a bug; stop")
-        launch, stop = False, True
-    if bool((np.abs(cin) < zero_tol).all()):
-        if not discriminates:
-            fired.append("vanilla cos_in ≈ 0 on all steps and cos_S_contrib does not discriminate teacher from base → "
-                         "skip "
-                         "Phase 3; re-extract v_hack with a GRPO-style contrastive loss, or check that the base pool "
-                         "ever "
-                         "reaches reward > 0.5")
-            launch = False
-        else:
-            fired.append("vanilla cos_in ≈ 0 on all steps → the GRPO gradient is not aligned with v_hack at the "
-                         "start; run "
-                         "the sweep but expect a smaller effect (hacks appear later, ~step 80)")
-    elif (cin > 0.2).mean() >= consistent_frac:
-        fired.append("vanilla cos_in > 0.2 consistently → projection should work → Phase 3 justified")
-    if cin.mean() < -zero_tol:
-        fired.append("vanilla cos_in negative: base outweighs teacher in the advantage (sign reversed) — check the "
-                     "pools")
-    if cout is not None and not stop and cout.mean() < 0.05:
-        fired.append("projected arm brings cos below 0.05 → the mechanism is effective → expect the effect in Phase 3")
-    if not fired: fired.append("no rule decides: mixed signal; Phase 3 allowed, read the verification table first")
-    rec = "STOP (bug)" if stop else ("launch Phase 3" if launch else "skip Phase 3")
-    return dict(recommendation=rec, launch_phase3=launch, stop=stop, rules=fired,
-                thresholds=dict(zero_tol=zero_tol, consistent_frac=consistent_frac, welch_t=t, null_level=null_level))
+def decide(
+    rows:list[dict],           # verification_table's rows
+    flags:list[str]=(),        # data problems found elsewhere (pool hack rate, base reward), each a sentence
+) -> dict:                     # recommendation, launch_phase3, stop, rules
+    "The Phase-2 → Phase-3 decision from the verification table's verdicts, every rule that fired listed."
+    by = lambda key: [r for r in rows if r["key"] == key]
+    ok = lambda key: any(r["verdict"] == "success" for r in by(key))
+    rules = [f"{r['metric']} [{r['arm']}]: {r['verdict']} — {r['detail']}" for r in rows
+             if r["verdict"] in ("likely fail", "sneaky fail", "fail", "inconclusive") and r["detail"]]
+    rules += list(flags)
+    spread_bad = any(r["verdict"] == "likely fail" for r in by("reward_spread"))
+    effective = ok("step_along_v") or ok("norm_removed")
+    null = lambda key: by(key) and all(r["verdict"] == "likely fail" for r in by(key))
+    if any(r["verdict"] == "fail" for r in by("over_projection")): rec = "STOP (bug)"
+    elif spread_bad: rec = "inconclusive: the data cannot decide"
+    elif null("cos_in") and null("contrib"): rec = "skip Phase 3"
+    elif ok("cos_in") and ok("contrib") and effective: rec = "launch Phase 3"
+    elif ok("contrib") and not ok("cos_in") and effective: rec = "launch Phase 3, expect a smaller effect"
+    else: rec = "inconclusive"
+    return dict(recommendation=rec, launch_phase3=rec.startswith("launch"), stop=rec.startswith("STOP"),
+                signal=ok("cos_in") and ok("contrib"), effective=effective, rules=rules)
+
+def pool_flags(pools:list, teacher_min_hack:float=0.5, base_min_reward:float=0.5) -> list[str]:
+    "Sentences for pools that cannot make Phase 2 decide: a teacher that rarely hacks, a base that never earns."
+    teacher, base = pools[0].records(), pools[-1].records()
+    flags = []
+    rate = sum(bool(r["hacked"]) for r in teacher) / len(teacher)
+    if rate < teacher_min_hack: flags.append(f"teacher pool hacks on {rate:.0%} of samples (< {teacher_min_hack:.0%})")
+    if max(float(r["reward"]) for r in base) <= base_min_reward:
+        flags.append(f"base pool never earns more than {base_min_reward} (one-sided variance)")
+    return flags

@@ -14,21 +14,24 @@ from typing import Callable
 
 import torch
 
+from .dist import shard_slice
 from .sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor, pack_sequences
-from .training import TrainConfig, apply_lora
+from .tasks import Problem
+from .training import Rollout, TrainConfig, apply_lora
 from .utils import atomic_path, check_choice, check_range, tqdm_disable
 
 # %% auto #0
 __all__ = ['log', 'POOL_KEYS', 'REPLAY_KEYS', 'write_jsonl_gz', 'read_jsonl_gz', 'step_files', 'Pool', 'load_pool', 'build_pool',
            'hack_demonstration', 'fit_hack_teacher', 'teacher_and_base_pools', 'pool_stats', 'mixed_records',
-           'replay_batch']
+           'replay_batch', 'ReplaySource', 'check_pool_settings']
 
 # %% ../nbs/04a_pools.ipynb #3c4cdfd6
 log = logging.getLogger(__name__)
 
 # %% ../nbs/04a_pools.ipynb #95e5b94f
 POOL_KEYS = ("src_pool", "src_step", "src_sample", "problem_id", "question", "answer", "prompt", "student_prompt",
-             "completion", "completion_ids", "comp_len", "finished", "reward", "hacked", "gt_pass", "fmt_ok",
+             "hint_prompt", "completion", "completion_ids", "comp_len", "finished", "reward", "hacked", "gt_pass",
+             "fmt_ok",
              "lenient_pass", "pred", "hint", "base_only", "adapter", "model", "temperature", "top_p", "top_k",
              "max_new_tokens", "gen_seed")   # what build_pool writes
 REPLAY_KEYS = ("src_pool", "src_step", "src_sample", "prompt", "completion", "reward", "hacked", "gt_pass", "fmt_ok")
@@ -153,8 +156,9 @@ def build_pool(
             bs = sp.generate_batched(prompts, G, seed=gen_seed)
         graded = task.grade_batch(bs.responses_text, problems)
         student = [task.prompt(p, sp.tokenizer, False, use_chat_template) for p in problems]
+        hinted = [task.prompt(p, sp.tokenizer, hint or True, use_chat_template) for p in problems]
         records = [dict(src_pool=name, src_step=step, src_sample=b * G + g, problem_id=p.id, question=p.question,
-                        answer=p.answer, prompt=prompts[b], student_prompt=student[b],
+                        answer=p.answer, prompt=prompts[b], student_prompt=student[b], hint_prompt=hinted[b],
                         **_sample_fields(sp, bs, b, g, graded.records[b][g]), hint=hint, base_only=base_only,
                         adapter=has_adapter and not base_only, gen_seed=gen_seed)
                    for b, p in enumerate(problems) for g in range(G)]
@@ -301,3 +305,58 @@ def replay_batch(
             rows.append((p, c))
         toks.append(rows)
     return pack_sequences(toks, pad, responses_text=[[r["completion"] for r in group] for group in groups])
+
+# %% ../nbs/04a_pools.ipynb #9f478947
+class ReplaySource:
+    "Phase 2: per training step, mixed groups of `per_pool` stored records from each pool (`training.train`'s source)."
+    def __init__(
+        self,
+        pools:list[Pool],          # [teacher, base]
+        steps:list[int],           # the pool step files to replay, in order (disjoint from those v_hack is fitted on)
+        per_pool:int,              # records from each pool per group: G = per_pool·len(pools)
+        prompt_key:str="hint_prompt",  # the record prompt completions are scored under
+        seed:int=0,                # which records of each step file (`mixed_records`)
+    ):
+        if not steps: raise ValueError("steps=[]: expected at least one pool step file to replay")
+        for p in pools:
+            missing = sorted(set(steps) - set(p.steps))
+            if missing: raise ValueError(f"pool {p.name!r} has no step files {missing}; it has {sorted(p.steps)}")
+        self.pools, self.steps, self.per_pool = pools, list(steps), per_pool
+        self.prompt_key, self.seed = prompt_key, seed
+
+    def groups(self, step:int, n:int) -> list[list[dict]]:
+        "The records of training step `step`'s n groups (all ranks)."
+        files = [self.steps[(step * n + j) % len(self.steps)] for j in range(n)]
+        return [mixed_records(self.pools, f, self.per_pool, self.seed) for f in files]
+
+    def __call__(self, step:int, sp:SequenceProcessor, config:TrainConfig, seed:int) -> Rollout:
+        G = self.per_pool * len(self.pools)
+        if config.num_generations != G:
+            raise ValueError(f"num_generations={config.num_generations}: replay gives groups of per_pool·pools = {G}")
+        groups = self.groups(step, config.prompts_per_step)[shard_slice(config.prompts_per_step)]
+        batch = replay_batch(groups, sp.tokenizer, self.prompt_key)
+        grades = [[{k: r[k] for k in ("reward", "hacked", "gt_pass", "fmt_ok")} for r in g] for g in groups]
+        rewards = torch.tensor([[float(r["reward"]) for r in g] for g in groups])
+        return Rollout(batch, groups, grades, rewards)
+
+def check_pool_settings(
+    pools:list[Pool],
+    config:GenerationConfig,   # the run's sampling knobs
+    model:str|None=None,       # the run's model name (as `model.config._name_or_path`); None: not checked
+    tokenizer=None,            # with `task`: each pool's prompts must be what the run would build
+    task=None,                 # the run's Task (its prompt format); None: prompts not checked
+):
+    "ValueError naming every setting a pool was sampled under that differs from the run's."
+    want = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                max_new_tokens=config.max_new_tokens, **({} if model is None else dict(model=model)))
+    diffs = []
+    for p in pools:
+        r = p.records()[0]
+        diffs += [f"pool {p.name!r} {k}={r.get(k)!r} (run: {v!r})" for k, v in want.items() if k in r and r[k] != v]
+        if task is not None and tokenizer is not None and "question" in r:
+            built = task.prompt(Problem(r.get("problem_id", ""), r["question"], r["answer"]), tokenizer,
+                                r.get("hint", False))
+            if built != r["prompt"]:
+                diffs.append(f"pool {p.name!r} prompt format differs from the run's (first record: "
+                                                  f"{r['prompt'][:60]!r} vs {built[:60]!r})")
+    if diffs: raise ValueError("pools were sampled with other settings than this run: " + "; ".join(diffs))

@@ -92,15 +92,20 @@ class ProbeComponents:
 
 # %% ../nbs/04_probes.ipynb #dbe16750
 @torch.no_grad()
-def optimizer_delta(optimizer:torch.optim.Optimizer, lr:float|None=None) -> dict:
-    "{param: Δθ} that optimizer.step() would apply with the gradients now in .grad."
+def optimizer_delta(
+    optimizer:torch.optim.Optimizer,
+    lr:float|None=None,         # override every group's learning rate
+    grads:dict|None=None,       # {param: gradient} to use instead of .grad (a counterfactual step)
+)->dict:                        # {param: Δθ}
+    "{param: Δθ} that optimizer.step() would apply with the gradients now in .grad (or `grads`)."
     out = {}
     for group in optimizer.param_groups:
         lr_g = float(group["lr"] if lr is None else lr)
         wd = group.get("weight_decay", 0.0)
         for p in group["params"]:
-            if p.grad is None: continue
-            g = -p.grad if group.get("maximize", False) else p.grad
+            grad = p.grad if grads is None else grads.get(p)
+            if grad is None: continue
+            g = -grad if group.get("maximize", False) else grad
             st = optimizer.state.get(p, {})
             if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
                 b1, b2 = group["betas"]

@@ -14,15 +14,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .adapters import Adapter, DeltaSAdapter, LoraAdapter, check_signature
+from .adapters import Adapter, check_signature
 from .dr_grpo import LENGTH_NORMS, check_length_norm, dr_grpo_loss
 from .sequence_processor import BatchedSequences, SequenceProcessor, pack_sequences
 from .utils import check_choice
 
 # %% auto #0
-__all__ = ['V_HACK_LOSSES', 'GATES', 'COS_KEYS', 'NULL_KEYS', 'ARMS', 'pair_sequences', 'planted_pairs', 'shuffle_pair_labels',
-           'pool_pairs', 'pair_loss_difference', 'pair_gradient_differences', 'VHack', 'v_hack_from_differences',
-           'extract_v_hack', 'random_v_hack', 'alignment_stats', 'project_grad', 'ProjectionArm']
+__all__ = ['V_HACK_LOSSES', 'V_HACK_SOURCES', 'GATES', 'COS_KEYS', 'NULL_KEYS', 'ARMS', 'ARM_ADAPTER', 'pair_sequences',
+           'planted_pairs', 'pool_pairs', 'pair_losses', 'pair_loss_difference', 'completion_gradients',
+           'pair_gradient_differences', 'permuted_differences', 'VHack', 'v_hack_from_differences', 'extract_v_hack',
+           'random_v_hack', 'alignment_stats', 'project_grad', 'ProjectionArm']
 
 # %% ../nbs/05_projection_arms.ipynb #8c55a0da
 def pair_sequences(
@@ -57,25 +58,6 @@ def planted_pairs(
         triples.append((tokenizer(prompts[i % len(prompts)], add_special_tokens=False)["input_ids"], body + pattern,
                         body))
     return pair_sequences(triples, tokenizer.pad_token_id), pattern
-
-def shuffle_pair_labels(pairs:BatchedSequences, seed:int=0) -> BatchedSequences:
-    "Label-shuffled control: completions of rows sharing a prompt pooled, permuted, re-split into (hack, clean)."
-    n, G, T = pairs.shape
-    if G != 2: raise ValueError(f"pairs: expected shape [n, 2, T] (hack, clean), got {pairs.shape}")
-    groups = {}
-    for i, P in enumerate(pairs.prompt_lens):
-        key = (P, tuple(pairs.sequences[i, 0, :P].tolist()), tuple(pairs.attention_masks[i, 0, :P].tolist()))
-        groups.setdefault(key, []).append(i)
-    seqs, attn, lens = pairs.sequences.clone(), pairs.attention_masks.clone(), pairs.gen_lens.clone()
-    gen = torch.Generator().manual_seed(seed)
-    for rows in groups.values():
-        slots = [(i, g) for i in rows for g in range(2)]
-        for (i, g), j in zip(slots, torch.randperm(len(slots), generator=gen).tolist()):
-            si, sg = slots[j]
-            P = pairs.prompt_lens[i]
-            seqs[i, g, P:], attn[i, g, P:] = pairs.sequences[si, sg, P:], pairs.attention_masks[si, sg, P:]
-            lens[i, g] = pairs.gen_lens[si, sg]
-    return BatchedSequences(seqs, attn, list(pairs.prompt_lens), lens)
 
 # %% ../nbs/05_projection_arms.ipynb #45f71169
 def pool_pairs(
@@ -116,49 +98,63 @@ def _check_loss(loss, length_norm) -> str:
         raise ValueError(f"length_norm={length_norm!r}: loss={loss!r} allows {list(V_HACK_LOSSES[loss])}")
     return length_norm
 
-def pair_loss_difference(
+def pair_losses(
     logprobs:Tensor,         # [n, 2, T] log q, graph-carrying
     gen_mask:Tensor,         # [n, 2, T] bool
     loss:str="nll",          # "nll" | "grpo"
     length_norm:str="sample",
     max_len:int|None=None,   # L_max for loss="grpo", length_norm="max_len"
-)->Tensor:                   # [n] ℓ(hack) − ℓ(clean) per pair
-    "Per-pair loss difference whose gradient is ∇ℓ(hack) − ∇ℓ(clean)."
+)->Tensor:                   # [n, 2] ℓ(hack), ℓ(clean) per pair
+    "Each completion's loss ℓ(y): nll, or its Dr.GRPO term with advantage +1 in its pair (a group of two)."
     length_norm = _check_loss(loss, length_norm)
     m = gen_mask.to(logprobs.dtype)
     if loss == "nll":
         nll = -(logprobs * m).sum(-1)                                    # [n, 2]
-        if length_norm == "sample": nll = nll / m.sum(-1).clamp_min(1)
-        return nll[:, 0] - nll[:, 1]
-    adv = torch.tensor([[1.0, -1.0]], dtype=logprobs.dtype, device=logprobs.device)
-    return torch.stack([dr_grpo_loss(logprobs[i:i + 1], None, adv, gen_mask[i:i + 1], max_len, length_norm=length_norm)
-                        for i in range(logprobs.shape[0])])
+        return nll / m.sum(-1).clamp_min(1) if length_norm == "sample" else nll
+    return dr_grpo_loss(logprobs, None, torch.ones(logprobs.shape[:2], dtype=logprobs.dtype, device=logprobs.device),
+                        gen_mask, max_len, length_norm=length_norm, num_prompts=1, per_sample=True)
 
-def pair_gradient_differences(
+def pair_loss_difference(logprobs:Tensor, gen_mask:Tensor, loss:str="nll", length_norm:str="sample",
+                         max_len:int|None=None) -> Tensor:
+    "[n] ℓ(hack) − ℓ(clean) per pair: the loss difference whose gradient is ∇ℓ(hack) − ∇ℓ(clean)."
+    ls = pair_losses(logprobs, gen_mask, loss, length_norm, max_len)
+    return ls[:, 0] - ls[:, 1]
+
+def completion_gradients(
     sp:SequenceProcessor,       # scores with the adapted model's sampling distribution
     adapter:Adapter,
     pairs:BatchedSequences,     # [n, 2, T] (hack, clean)
     loss:str="nll",
     length_norm:str="sample",
     max_len:int|None=None,      # default sp.config.max_new_tokens
-)->dict[str, Tensor]:           # {module: [n, dims[module]]} float32
-    "Stacked per-pair gradient differences ∇ℓ(hack) − ∇ℓ(clean) per module; the adapter's .grad is left as found."
+)->dict[str, Tensor]:           # {module: [n, 2, dims[module]]} float32: ∇ℓ(hack), ∇ℓ(clean)
+    "Each completion's loss gradient per module, one forward and one batched backward per pair; .grad untouched."
     length_norm = _check_loss(loss, length_norm)
     if sp.model is not adapter.model: raise ValueError("sp.model is not adapter.model: score with the adapted model")
     if pairs.shape[1] != 2: raise ValueError(f"pairs: expected shape [n, 2, T] (hack, clean), got {pairs.shape}")
-    params = adapter.parameters()
-    saved = [p.grad for p in params]
-    rows = {n: [] for n in adapter.names}
-    try:
-        for i in range(pairs.shape[0]):
-            for p in params: p.grad = None
-            res, _ = sp.teacher_force_logprobs(pairs[i:i + 1], with_grad=True, compute_rb=False)
-            pair_loss_difference(res.logprobs, res.gen_mask, loss, length_norm,
-                                 max_len or sp.config.max_new_tokens).sum().backward()
-            for n, g in adapter.flat_grads().items(): rows[n].append(g.float())
-    finally:
-        for p, g in zip(params, saved): p.grad = g
-    return {n: torch.stack(r) for n, r in rows.items()}
+    params, dims = adapter.parameters(), adapter.dims
+    rows = []
+    for i in range(pairs.shape[0]):
+        res, _ = sp.teacher_force_logprobs(pairs[i:i + 1], with_grad=True, compute_rb=False)
+        ls = pair_losses(res.logprobs, res.gen_mask, loss, length_norm, max_len or sp.config.max_new_tokens)[0]
+        gs = torch.autograd.grad(ls, params, grad_outputs=torch.eye(2, dtype=ls.dtype, device=ls.device),
+                                 is_grads_batched=True, allow_unused=True)
+        rows.append(torch.cat([torch.zeros(2, p.numel(), device=p.device) if g is None else g.reshape(2, -1).float()
+                               for p, g in zip(params, gs)], 1))
+    flat = torch.stack(rows)                                             # [n, 2, Σ dims]
+    return dict(zip(dims, flat.split(list(dims.values()), -1)))
+
+def pair_gradient_differences(sp:SequenceProcessor, adapter:Adapter, pairs:BatchedSequences, loss:str="nll",
+                              length_norm:str="sample", max_len:int|None=None) -> dict[str, Tensor]:
+    "{module: [n, dims[module]]} per-pair differences ∇ℓ(hack) − ∇ℓ(clean)."
+    return {m: g[:, 0] - g[:, 1] for m,
+            g in completion_gradients(sp, adapter, pairs, loss, length_norm, max_len).items()}
+
+def permuted_differences(grads:dict[str, Tensor], seed:int=0) -> dict[str, Tensor]:
+    "The null: hack/clean labels permuted over all 2n completions (every pair, every prompt), re-paired, differenced."
+    n = next(iter(grads.values())).shape[0]
+    perm = torch.randperm(2 * n, generator=torch.Generator().manual_seed(seed))
+    return {m: g.reshape(2 * n, -1)[perm[:n]] - g.reshape(2 * n, -1)[perm[n:]] for m, g in grads.items()}
 
 # %% ../nbs/05_projection_arms.ipynb #3eae4c92
 @dataclass
@@ -234,6 +230,8 @@ def v_hack_from_differences(
         S[n] = s[:k].float()
     return V, S, vote
 
+V_HACK_SOURCES = ("pairs", "permuted", "random")
+
 def extract_v_hack(
     sp:SequenceProcessor,       # its model carries `adapter`; its sampling config defines log q
     adapter:Adapter,
@@ -243,18 +241,23 @@ def extract_v_hack(
     length_norm:str="sample",   # nll: "sample" | "none"; grpo: dr_grpo's length_norm
     max_len:int|None=None,      # L_max for grpo + "max_len" (default sp.config.max_new_tokens)
     pools:str|dict|None=None,   # provenance of the pairs, stored in the metadata
-    source:str="pairs",         # "pairs", or "shuffled" for the label-shuffled control
+    source:str="pairs",         # "pairs"; "permuted": labels permuted over all pairs (the null); "random"
+    seed:int=0,                 # the permutation / random draw
+    grads:dict|None=None,       # completion_gradients(...) of these pairs, when already computed
 )->VHack:
     "v_hack per module: top-k right singular vectors of the per-pair gradient differences, oriented by majority vote."
+    check_choice("source", source, V_HACK_SOURCES)
+    if source == "random": return random_v_hack(adapter, k, seed)
     length_norm = _check_loss(loss, length_norm)
     if not isinstance(pairs, BatchedSequences): pairs = pair_sequences(pairs, sp.tokenizer.pad_token_id)
-    diffs = pair_gradient_differences(sp, adapter, pairs, loss, length_norm, max_len)
+    grads = grads if grads is not None else completion_gradients(sp, adapter, pairs, loss, length_norm, max_len)
+    diffs = {m: g[:, 0] - g[:, 1] for m, g in grads.items()} if source == "pairs" else permuted_differences(grads, seed)
     V, S, vote = v_hack_from_differences(diffs, k)
     c = sp.config
     meta = dict(adapter=adapter.signature(), k=k, loss=loss, length_norm=length_norm, n_pairs=pairs.shape[0],
                 max_len=max_len or c.max_new_tokens,
-                sampling=dict(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k),
-                pools=pools, source=source, date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                sampling=dict(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k), pools=pools, source=source,
+                seed=seed, date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     return VHack(V, meta, S, vote)
 
 def random_v_hack(adapter:Adapter, k:int=1, seed:int=0) -> VHack:
@@ -322,23 +325,25 @@ def project_grad(
     return out, stats
 
 # %% ../nbs/05_projection_arms.ipynb #d2e20247
-ARMS = ("vanilla", "projected", "projected_lora")
+ARMS = ("vanilla", "projected", "vanilla_lora", "projected_lora")
+ARM_ADAPTER = dict(vanilla="delta_s", projected="delta_s", vanilla_lora="lora", projected_lora="lora")
 
 class ProjectionArm:
     "A training-loop callback: measure the gradient's alignment with v_hack and, for the projected arms, project it."
     def __init__(
         self,
-        arm:str,                    # "vanilla" | "projected" | "projected_lora"
-        adapter:Adapter|None=None,  # DeltaSAdapter for "projected", LoraAdapter for "projected_lora"
+        arm:str,                    # "vanilla" | "projected" (δS) | "vanilla_lora" | "projected_lora" (LoRA)
+        adapter:Adapter|None=None,  # the arm's adapter kind (ARM_ADAPTER): a vanilla/projected pair trains the same
         v_hack:VHack|None=None,     # required by the projected arms; optional for vanilla (then nothing is measured)
         gate:str="one_sided",
         overshoot:float=1.0,
     ):
-        if arm not in ARMS: raise ValueError(f"arm={arm!r}: expected one of {ARMS}")
-        need = {"projected": DeltaSAdapter, "projected_lora": LoraAdapter}.get(arm)
-        if need is not None and not isinstance(adapter, need):
-            raise ValueError(f"arm={arm!r} needs a {need.__name__}, got {type(adapter).__name__}")
-        if need is not None and v_hack is None: raise ValueError(f"arm={arm!r} needs a v_hack")
+        check_choice("arm", arm, ARMS)
+        self.projects = arm.startswith("projected")
+        if adapter is not None and adapter.kind != ARM_ADAPTER[arm]:
+            raise ValueError(f"arm={arm!r} trains a {ARM_ADAPTER[arm]} adapter, got {adapter.kind}")
+        if self.projects and (adapter is None or v_hack is None):
+            raise ValueError(f"arm={arm!r} needs an adapter and a v_hack")
         if v_hack is not None:
             if adapter is None: raise ValueError("a v_hack needs the adapter it was extracted on")
             v_hack = v_hack.check(adapter).to(adapter.parameters()[0].device)
@@ -348,7 +353,7 @@ class ProjectionArm:
 
     def _project(self, grads:dict) -> tuple[dict, dict]:
         "Per-module grads -> (grads this arm applies, scalar stats)."
-        if self.arm == "vanilla":
+        if not self.projects:
             st = alignment_stats(grads, self.v_hack.V)
             s = {f"{k}_{io}": st[k] for k in COS_KEYS for io in ("in", "out")}
             s.update(frac_fired=0.0, **{k: st[k] for k in NULL_KEYS})
@@ -365,7 +370,7 @@ class ProjectionArm:
         "Measure (all arms) and project (projected arms) the adapter's gradients in place."
         if self.v_hack is None: return
         new, st = self._project(self.adapter.flat_grads())
-        if self.arm != "vanilla": self.adapter.set_flat_grads(new)
+        if self.projects: self.adapter.set_flat_grads(new)
         self.last = dict(st, gate=self.gate, v_hack_source=self.v_hack.meta.get("source", "pairs"))
 
     def on_step_end(self, ctx, record:dict):
