@@ -2,16 +2,14 @@
 import math
 
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from entropy_grpo.rb_entropy import warped_logits
 
 
 def warped_logq(model, ids, temperature, top_p, top_k=0):
-    "log-softmax of transformers' warpers applied to a plain, unpadded forward. ids [L] -> [L-1, V]."
-    logits = model(torch.as_tensor(ids)[None]).logits[0, :-1].float()
-    for w in ([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
-              + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])):
-        logits = w(None, logits)
-    return logits.log_softmax(-1)
+    "log-softmax of transformers' warpers (`warped_logits`) on a plain, unpadded forward. ids [L] -> [L-1, V]."
+    logits = model(torch.as_tensor(ids)[None]).logits[0, :-1]
+    return warped_logits(logits, temperature, top_p, top_k).log_softmax(-1)
 
 
 @torch.no_grad()

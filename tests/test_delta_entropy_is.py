@@ -1,8 +1,10 @@
-"DeltaEntropyIS: exact restore, lr -> 0 limits, enumeration, RB vs naive, 1 vs 2 processes, bad input."
-import json, os, warnings
+"""delta_entropy_is: the probe restores model, optimizer and RNG exactly (also when the update fails), its lr -> 0
+limits, agreement with the enumerated entropy change, RB vs naive spread, 1 vs 2 processes, and bad input named."""
+import copy, json, os
 
 import pytest
 import torch
+from fastcore.test import test_fail
 
 from entropy_grpo.delta_entropy_is import DeltaEntropyIS
 from entropy_grpo.dr_grpo import group_advantages, policy_gradient_backward
@@ -14,8 +16,9 @@ from gloo import gloo_group, spawn_two
 QS = [f"Question: What is {a} + {b}? Answer:" for a, b in [(1, 2), (30, 4), (7, 7), (12, 9), (5, 60), (8, 1)]]
 
 
-def setup(top_p=0.95, seed=0, lr=1e-3, weight_decay=0.01, prior_step=True, dtype=torch.float32):
-    model, tok = tiny_policy(seed, dtype=dtype)
+def make_probe(policy, top_p=0.95, lr=1e-3, weight_decay=0.01, prior_step=True):
+    "A copy of `policy`, its SequenceProcessor, E (6 prompts × 4) and U (4 × 4, random advantages), AdamW with state."
+    model, tok = copy.deepcopy(policy)
     cfg = GenerationConfig(temperature=0.9, top_p=top_p, max_new_tokens=8, num_generations=4)
     sp = SequenceProcessor(model, tok, cfg)
     U_seqs = sp.generate_batched(QS[:4], seed=2)
@@ -30,7 +33,8 @@ def setup(top_p=0.95, seed=0, lr=1e-3, weight_decay=0.01, prior_step=True, dtype
 
 def snapshot(model, opt):
     return ({k: v.clone() for k, v in model.state_dict().items()},
-            {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for i, st in enumerate(opt.state.values())},
+            {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+             for i, st in enumerate(opt.state.values())},
             [g["lr"] for g in opt.param_groups])
 
 
@@ -44,38 +48,39 @@ def assert_same(a, b):
 
 def train_step(sp, U, opt):
     opt.zero_grad()
-    policy_gradient_backward(sp, BatchedSequences(U["sequences"], U["attention_masks"], U["prompt_lens"],
-                                                  torch.zeros(U["num_prompts"], U["num_responses_per_prompt"])), U["advantages"])
+    seqs = BatchedSequences(U["sequences"], U["attention_masks"], U["prompt_lens"],
+                            torch.zeros(U["num_prompts"], U["num_responses_per_prompt"]))
+    policy_gradient_backward(sp, seqs, U["advantages"])
     opt.step()
 
 
-def test_restore_is_bitwise_and_next_step_unchanged():
-    model, sp, E, U, opt = setup()
+def test_restore_is_bitwise_and_next_step_unchanged(tiny):
+    model, sp, E, U, opt = make_probe(tiny)
     before = snapshot(model, opt)
     rng = torch.get_rng_state()
-    DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change_two_batch(model, E, U, opt, {"lr": 1e-2})
+    DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change(E, U, opt, {"lr": 1e-2})
     assert_same(before, snapshot(model, opt))
     assert torch.equal(rng, torch.get_rng_state())
     train_step(sp, U, opt)
-    twin, sp2, _, _, opt2 = setup()
+    twin, sp2, _, _, opt2 = make_probe(tiny)
     train_step(sp2, U, opt2)
     assert_same(snapshot(model, opt), snapshot(twin, opt2))
 
 
-def test_restore_when_update_raises_midway(monkeypatch):
-    model, sp, E, U, opt = setup()
+def test_restore_when_update_raises_midway(tiny, monkeypatch):
+    model, sp, E, U, opt = make_probe(tiny)
     before = snapshot(model, opt)
     real_step = opt.step
     def step_then_fail(*a, **k):
         real_step(*a, **k); raise RuntimeError("device lost mid-update")
     monkeypatch.setattr(opt, "step", step_then_fail)
     with pytest.raises(RuntimeError, match="device lost"):
-        DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change_two_batch(model, E, U, opt, {"lr": 1e-2})
+        DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change(E, U, opt, {"lr": 1e-2})
     assert_same(before, snapshot(model, opt))
 
 
-def test_nan_log_weights_error_after_restore(monkeypatch):
-    model, sp, E, U, opt = setup()
+def test_nan_log_weights_error_after_restore(tiny, monkeypatch):
+    model, sp, E, U, opt = make_probe(tiny)
     before = snapshot(model, opt)
     real_step = opt.step
     def poison(*a, **k):
@@ -83,16 +88,16 @@ def test_nan_log_weights_error_after_restore(monkeypatch):
         with torch.no_grad(): model.lm_head.weight.fill_(float("nan"))
     monkeypatch.setattr(opt, "step", poison)
     with pytest.raises(FloatingPointError, match="NaN"):
-        DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change_two_batch(model, E, U, opt)
+        DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change(E, U, opt)
     assert_same(before, snapshot(model, opt))
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.95])
-def test_small_lr_limits(top_p):
-    model, sp, E, U, opt = setup(top_p=top_p, dtype=torch.float64)     # float64 model (Llama's norms still round in float32)
+def test_small_lr_limits(tiny64, top_p):
+    model, sp, E, U, opt = make_probe(tiny64, top_p=top_p)      # float64 model (Llama's norms still round in float32)
     probe = DeltaEntropyIS(model, sp.config, sequence_processor=sp)
     n_E = E.shape[0] * E.shape[1]
-    res = {lr: probe.entropy_change_two_batch(model, E, U, opt, {"lr": lr}) for lr in (1e-3, 1e-4, 1e-5, 1e-6, 1e-7)}
+    res = {lr: probe.entropy_change(E, U, opt, {"lr": lr}) for lr in (1e-3, 1e-4, 1e-5, 1e-6, 1e-7)}
     s = {lr: r["deltaH_true_fixed_support"] / lr for lr, r in res.items()}
     print(top_p, {lr: (r["deltaH_true"], r["deltaH_support_change"], r["ess"]) for lr, r in res.items()}, s)
     assert abs(res[1e-7]["deltaH_true"]) < abs(res[1e-3]["deltaH_true"]) and abs(res[1e-7]["deltaH_true"]) < 1e-4
@@ -123,7 +128,7 @@ def test_matches_enumerated_entropy_change():
     est = []
     for d in range(12):
         E = sp.generate_batched(["abc"] * 64, seed=100 + d)     # 512 sequences
-        est.append(probe.entropy_change_two_batch(model, E, U, opt)["deltaH_true"])
+        est.append(probe.entropy_change(E, U, opt)["deltaH_true"])
     opt.zero_grad(); policy_gradient_backward(sp, U_seqs, U["advantages"]); opt.step()
     H1 = enumerate_entropy(model, prompt, tok.eos_token_id, len(tok), max_new, T, top_p)
     est = torch.tensor(est, dtype=torch.float64)
@@ -133,66 +138,82 @@ def test_matches_enumerated_entropy_change():
     assert abs(est.mean() - (H1 - H0)) < 4 * se
 
 
-def test_rb_spread_smaller_than_naive():
-    model, sp, _, U, opt = setup(top_p=0.95)
+def test_rb_spread_smaller_than_naive(tiny):
+    model, sp, _, U, opt = make_probe(tiny, top_p=0.95)
     probe = DeltaEntropyIS(model, sp.config, sequence_processor=sp)
     rb, nv = [], []
     for d in range(8):
         E = sp.generate_batched(QS, seed=10 + d)
-        rb.append(probe.entropy_change_two_batch(model, E, U, opt, {"entropy_mode": "rb", "lr": 1e-3})["H_orig"])
-        nv.append(probe.entropy_change_two_batch(model, E, U, opt, {"entropy_mode": "naive", "lr": 1e-3})["H_orig"])
+        rb.append(probe.entropy_change(E, U, opt, {"entropy_mode": "rb", "lr": 1e-3})["H_orig"])
+        nv.append(probe.entropy_change(E, U, opt, {"entropy_mode": "naive", "lr": 1e-3})["H_orig"])
     rb, nv = torch.tensor(rb), torch.tensor(nv)
-    print(f"H_orig RB {rb.mean():.3f} ± {rb.std():.3f}  naive {nv.mean():.3f} ± {nv.std():.3f}  spread ratio {nv.std() / rb.std():.1f}")
+    print(f"H_orig RB {rb.mean():.3f} ± {rb.std():.3f}  naive {nv.mean():.3f} ± {nv.std():.3f}  "
+          f"spread ratio {nv.std() / rb.std():.1f}")
     assert abs(rb.mean() - nv.mean()) < 3 * nv.std()
     assert rb.std() < nv.std()
 
 
-def test_zero_advantages_and_low_ess_and_bad_input():
-    model, sp, E, U, opt = setup(weight_decay=0.0, prior_step=False)
+def test_zero_advantages_and_low_ess_and_bad_input(tiny):
+    model, sp, E, U, opt = make_probe(tiny, weight_decay=0.0, prior_step=False)
     probe = DeltaEntropyIS(model, sp.config, sequence_processor=sp)
     zero = {**U, "advantages": torch.zeros_like(U["advantages"])}
-    res = probe.entropy_change_two_batch(model, E, zero, opt)
+    res = probe.entropy_change(E, zero, opt)
     assert res["deltaH_true"] == 0 and any("advantages are zero" in n for n in res["notes"])
     with pytest.warns(UserWarning, match="ESS"):
-        res = probe.entropy_change_two_batch(model, E, U, opt, {"lr": 0.02, "min_ess_frac": 0.9})
+        res = probe.entropy_change(E, U, opt, {"lr": 0.02, "min_ess_frac": 0.9})
     assert any("ESS" in n for n in res["notes"])
-    empty = BatchedSequences(E.sequences, torch.zeros_like(E.attention_masks), E.prompt_lens, torch.zeros_like(E.gen_lens))
+    empty = BatchedSequences(E.sequences, torch.zeros_like(E.attention_masks), E.prompt_lens,
+                             torch.zeros_like(E.gen_lens))
     with pytest.raises(ValueError, match="E_batch is empty"):
-        probe.entropy_change_two_batch(model, empty, U, opt)
+        probe.entropy_change(empty, U, opt)
     with pytest.raises(ValueError, match=r"advantages: expected shape \(4, 4\)"):
-        probe.entropy_change_two_batch(model, E, {**U, "advantages": torch.zeros(4, 3)}, opt)
+        probe.entropy_change(E, {**U, "advantages": torch.zeros(4, 3)}, opt)
     with pytest.raises(ValueError, match="entropy_mode='exact'"):
-        probe.entropy_change_two_batch(model, E, U, opt, {"entropy_mode": "exact"})
+        probe.entropy_change(E, U, opt, {"entropy_mode": "exact"})
     with pytest.raises(ValueError, match="unknown keys"):
-        probe.entropy_change_two_batch(model, E, U, opt, {"lrr": 1e-3})
+        probe.entropy_change(E, U, opt, {"lrr": 1e-3})
 
 
-def test_full_support_weights_and_per_token():
-    model, sp, E, U, opt = setup(top_p=0.95)
-    res = DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change_two_batch(
-        model, E, U, opt, {"support": "full", "report_per_token": True, "lr": 1e-4})
+def test_full_support_weights_and_per_token(tiny):
+    model, sp, E, U, opt = make_probe(tiny, top_p=0.95)
+    res = DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change(
+        E, U, opt, {"weights": "full", "report_per_token": True, "lr": 1e-4})
     assert res["n_zero_weight_sequences"] == 0 and abs(res["deltaH_true_tok"]) < abs(res["deltaH_true"])
+
+
+def test_two_batch_signature_passes_everything_on_and_checks_the_model(tiny):
+    "The original signature gives entropy_change's result with the same cfg; a model not the constructor's raises."
+    model, sp, E, U, opt = make_probe(tiny)
+    probe = DeltaEntropyIS(model, sp.config, sequence_processor=sp)
+    new = probe.entropy_change(E, U, opt, {"lr": 1e-4, "entropy_mode": "naive"})
+    old = probe.entropy_change_two_batch(model, E, U, opt, {"lr": 1e-4, "entropy_mode": "naive"})
+    assert (old["deltaH_true"], old["ess"], old["entropy_mode"]) == (new["deltaH_true"], new["ess"], "naive")
+    assert probe.entropy_change(E, U, opt)["deltaH_true"] != new["deltaH_true"]      # the cfg mattered
+    test_fail(lambda: probe.entropy_change_two_batch(copy.deepcopy(model), E, U, opt),
+              contains="model is not the one this DeltaEntropyIS was built for", exc=ValueError)
 
 
 def _worker(rank, world, port, out_dir):
     with gloo_group(rank, world, port):
-        model, sp, E, U, opt = setup(top_p=0.95, dtype=torch.float64)
+        model, sp, E, U, opt = make_probe(tiny_policy(0, dtype=torch.float64), top_p=0.95)
         b = E.shape[0] // world; u = U["num_prompts"] // world
         E_r = E[rank * b:(rank + 1) * b]
-        U_r = {k: (v[rank * u:(rank + 1) * u] if (torch.is_tensor(v) or isinstance(v, list)) else v) for k, v in U.items()}
+        U_r = {k: (v[rank * u:(rank + 1) * u] if (torch.is_tensor(v) or isinstance(v, list)) else v)
+               for k, v in U.items()}
         U_r.update(num_prompts=u)
-        res = DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change_two_batch(model, E_r, U_r, opt, {"lr": 1e-3})
+        res = DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change(E_r, U_r, opt, {"lr": 1e-3})
         if rank == 0:
             with open(os.path.join(out_dir, "dist.json"), "w") as f: json.dump(res, f)
 
 
-def test_one_process_equals_two_processes(tmp_path):
+def test_one_process_equals_two_processes(tiny64, tmp_path):
     spawn_two(_worker, str(tmp_path))
     two = json.loads((tmp_path / "dist.json").read_text())
-    model, sp, E, U, opt = setup(top_p=0.95, dtype=torch.float64)
-    one = DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change_two_batch(model, E, U, opt, {"lr": 1e-3})
-    for k in ("H_orig", "H_upd", "deltaH_true", "deltaH_true_fixed_support", "deltaH_support_change", "ess", "sum_weights",
-              "logw_max", "logw_min", "logw_mean"):
-        assert abs(one[k] - two[k]) <= 1e-9 * max(1.0, abs(one[k])), (k, one[k], two[k])  # float64: only summation order differs
+    model, sp, E, U, opt = make_probe(tiny64, top_p=0.95)
+    one = DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change(E, U, opt, {"lr": 1e-3})
+    for k in ("H_orig", "H_upd", "deltaH_true", "deltaH_true_fixed_support", "deltaH_support_change", "ess",
+              "sum_weights", "logw_max", "logw_min", "logw_mean"):
+        # float64: only summation order differs
+        assert abs(one[k] - two[k]) <= 1e-9 * max(1.0, abs(one[k])), (k, one[k], two[k])
     for k in ("n_E", "n_zero_weight_sequences", "n_support_changed_positions"):
         assert one[k] == two[k], k

@@ -1,176 +1,34 @@
-"Projection arms: δS and LoRA adapters, SVD cache, v_hack extraction on planted pairs, project_grad, arms, bad input."
+"""projection_arms: project_grad removes exactly the gated components and keeps the rest, cosine definitions against
+naive formulas, v_hack recovers a planted direction (options agree, bad input named, save/load checked), pool pairs,
+and the arms: projected lowers the cosine whenever the gate fires, vanilla is bitwise a run without callbacks (direct
+loop and `train`)."""
 import copy, math
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from fastcore.test import test_fail
 
+from entropy_grpo.adapters import add_delta_s, add_lora
 from entropy_grpo.dr_grpo import group_advantages, policy_gradient_backward
-from entropy_grpo.training import TrainConfig, train
 from entropy_grpo.policies import tiny_policy
-from entropy_grpo.adapters import add_delta_s, add_lora, clear_svd_cache, find_linears
+from entropy_grpo.pools import Pool
 from entropy_grpo.projection_arms import (ProjectionArm, VHack, alignment_stats, extract_v_hack,
                                           pair_gradient_differences, pair_sequences, planted_pairs, pool_pairs,
                                           project_grad, random_v_hack, shuffle_pair_labels)
-from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor
+from entropy_grpo.sequence_processor import GenerationConfig
+from entropy_grpo.training import TrainConfig, train
+from tiny_inputs import ATTN, batch, sp_for
 from toy_tasks import DigitTask
-
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def fails(f, contains):
-    "f() raises a ValueError whose message contains `contains`."
-    with pytest.raises(ValueError) as e: f()
-    assert contains in str(e.value), str(e.value)
-
-
-@pytest.fixture(scope="module")
-def base():
-    return tiny_policy(0)
-
-
-def fresh(base):
-    "A copy of the tiny policy (seed 0) and its tokenizer."
-    return copy.deepcopy(base[0]), base[1]
-
-
-def batch(tok):
-    "Two left-padded prompts with their attention mask."
-    enc = tok(["Question: What is 12 + 7? Answer: 19", "Q: 3 * 3 ="], return_tensors="pt", padding=True)
-    return enc["input_ids"], enc["attention_mask"]
-
-
-def sp_for(model, tok):
-    return SequenceProcessor(model, tok, GenerationConfig(max_new_tokens=16), progress=False)
-
-
-# ---------------------------------------------------------------- δS adapter
-
-def test_zero_delta_s_is_bitwise_base_and_a_step_changes_only_delta_s(base):
-    model, tok = fresh(base)
-    x, am = batch(tok)
-    ref = model(x, attention_mask=am).logits
-    ds = add_delta_s(model, ATTN)
-    assert torch.equal(model(x, attention_mask=am).logits, ref)
-    assert [n for n, p in model.named_parameters() if p.requires_grad] == [f"{n}.delta_S" for n in ds.names]
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    sp = sp_for(model, tok)
-    pairs, _ = planted_pairs(tok, n_pairs=4)
-    opt = torch.optim.AdamW(ds.parameters(), lr=1e-2, weight_decay=0.1)
-    policy_gradient_backward(sp, pairs, group_advantages(torch.tensor([[1.0, 0.0]] * 4)))
-    opt.step()
-    after = model.state_dict()
-    changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
-    assert changed == sorted(f"{n}.delta_S" for n in ds.names)
-    assert all(after[f"{n}.delta_S"].abs().max() > 0 for n in ds.names)
-    with ds.zeroed():
-        assert torch.equal(model(x, attention_mask=am).logits, ref)
-    twin, _ = fresh(base)
-    with torch.no_grad():
-        for n in ds.names: twin.get_submodule(n).weight.copy_(ds.merged_weight(n))
-    torch.testing.assert_close(model(x, attention_mask=am).logits, twin(x, attention_mask=am).logits, rtol=1e-5, atol=1e-5)
-
-
-def test_delta_s_gradient_is_the_svd_diagonal_of_the_weight_gradient(base):
-    "∂L/∂δS_i = u_iᵀ (∂L/∂W) v_i, against the weight gradient of the plain model."
-    model, tok = fresh(base)
-    ref, _ = fresh(base)
-    x, am = batch(tok)
-    ds = add_delta_s(model, ATTN)
-    model(x, attention_mask=am).logits.logsumexp(-1).mean().backward()
-    ref(x, attention_mask=am).logits.logsumexp(-1).mean().backward()
-    for n in ds.names:
-        m, G = model.get_submodule(n), ref.get_submodule(n).weight.grad
-        torch.testing.assert_close(m.delta_S.grad, torch.diagonal(m.svd_U.T @ G @ m.svd_Vh.T), rtol=1e-4, atol=1e-6)
-
-
-def test_top_rank_delta_s(base):
-    model, tok = fresh(base)
-    x, am = batch(tok)
-    ds = add_delta_s(model, ["q_proj", "k_proj"], rank=4)
-    assert set(ds.dims.values()) == {4}
-    with torch.no_grad():
-        for p in ds.parameters(): p.normal_(0, 0.5)
-    twin, _ = fresh(base)
-    with torch.no_grad():
-        for n in ds.names: twin.get_submodule(n).weight.copy_(ds.merged_weight(n))
-    torch.testing.assert_close(model(x, attention_mask=am).logits, twin(x, attention_mask=am).logits, rtol=1e-5, atol=1e-5)
-    fails(lambda: add_delta_s(fresh(base)[0], ["k_proj"], rank=17), contains="rank=17: module model.layers.0.self_attn.k_proj has a 16x32 weight, so rank must lie in [1, 16]")
-    fails(lambda: add_delta_s(model, ["q_proj"]), contains="already carries a δS adapter")
-
-
-def test_svd_cache_memory_then_disk(base, tmp_path, monkeypatch):
-    clear_svd_cache()
-    a = add_delta_s(fresh(base)[0], ATTN, cache_dir=tmp_path)
-    assert len(list(tmp_path.glob("svd_*.safetensors"))) == len(a.names)
-    def no_svd(*a, **k): raise AssertionError("SVD recomputed")
-    monkeypatch.setattr(torch.linalg, "svd", no_svd)
-    b = add_delta_s(fresh(base)[0], ATTN)                     # memory cache
-    clear_svd_cache()
-    c = add_delta_s(fresh(base)[0], ATTN, cache_dir=tmp_path)  # disk cache
-    for n in a.names:
-        ma, mb, mc = (x.model.get_submodule(n) for x in (a, b, c))
-        assert torch.equal(ma.svd_U, mb.svd_U) and torch.equal(ma.svd_Vh, mc.svd_Vh) and torch.equal(ma.svd_S, mc.svd_S)
-
-
-def test_delta_s_save_load_and_mismatch(base, tmp_path):
-    model, tok = fresh(base)
-    ds = add_delta_s(model, ATTN)
-    with torch.no_grad():
-        for p in ds.parameters(): p.normal_()
-    ds.save(tmp_path/"ds.safetensors", note="x")
-    ds2 = add_delta_s(fresh(base)[0], ATTN)
-    assert ds2.load(tmp_path/"ds.safetensors")["note"] == "x"
-    for p, q in zip(ds.parameters(), ds2.parameters()): assert torch.equal(p, q)
-    other = add_delta_s(tiny_policy(1)[0], ATTN)
-    fails(lambda: other.load(tmp_path/"ds.safetensors"), contains=f"weights_hash differs ({ds.weights_hash!r} in the file vs {other.weights_hash!r} here)")
-    fewer = add_delta_s(fresh(base)[0], ["q_proj"])
-    fails(lambda: fewer.load(tmp_path/"ds.safetensors"), contains="targets differs")
-
-
-def test_find_linears_error_lists_the_linears(base):
-    fails(lambda: add_delta_s(fresh(base)[0], ["q_proj", "qkv_proj"]),
-              contains="entry 'qkv_proj' matches no nn.Linear of LlamaForCausalLM; its nn.Linear modules are named "
-                       "['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']")
-    fails(lambda: find_linears(base[0], r".*attn\.qkv"), contains="matches no nn.Linear")
-    assert find_linears(base[0], r".*layers\.1\.self_attn\.[qk]_proj") == ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj"]
-
-
-# ---------------------------------------------------------------- LoRA adapter
-
-def test_lora_init_gauge_zeroed_and_save_load(base, tmp_path):
-    model, tok = fresh(base)
-    x, am = batch(tok)
-    ref = model(x, attention_mask=am).logits
-    la = add_lora(model, ["q_proj", "v_proj"], r=4, seed=3)
-    assert model(x, attention_mask=am).logits.equal(ref)
-    assert {n for n, p in model.named_parameters() if p.requires_grad} == {n for d in la.param_names().values() for n in d.values()}
-    model(x, attention_mask=am).logits.logsumexp(-1).mean().backward()
-    for ps in la.module_params().values():                    # B = 0: the A-gradient is exactly zero
-        assert torch.equal(ps["lora_A"].grad, torch.zeros_like(ps["lora_A"])) and ps["lora_B"].grad.abs().max() > 0
-    assert la.init_hash == add_lora(fresh(base)[0], ["q_proj", "v_proj"], r=4, seed=3).init_hash
-    assert la.init_hash != add_lora(fresh(base)[0], ["q_proj", "v_proj"], r=4, seed=4).init_hash
-    with torch.no_grad():
-        for ps in la.module_params().values(): ps["lora_B"].normal_(0, 0.3)
-    moved = model(x, attention_mask=am).logits
-    assert not torch.allclose(moved, ref)
-    with la.zeroed():
-        assert torch.equal(model(x, attention_mask=am).logits, ref)
-    assert all(p.requires_grad for p in la.parameters())
-    la.save(tmp_path/"lora.safetensors")
-    lb = add_lora(fresh(base)[0], ["q_proj", "v_proj"], r=4, seed=9)
-    lb.load(tmp_path/"lora.safetensors")
-    assert lb.init_hash == la.init_hash
-    torch.testing.assert_close(lb.model(x, attention_mask=am).logits, moved, rtol=0, atol=0)
-    fails(lambda: add_lora(fresh(base)[0], ["q_proj", "v_proj"], r=2).load(tmp_path/"lora.safetensors"), contains="differs")
-    fails(lambda: add_lora(fresh(base)[0], ["k_proj"], r=17), contains="r=17: module model.layers.0.self_attn.k_proj")
 
 
 # ---------------------------------------------------------------- project_grad
 
 def orthonormal(k, d, seed):
-    return torch.linalg.qr(torch.randn(d, k, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))[0].T.float()
+    "k orthonormal rows of dimension d (float32), seeded."
+    g = torch.randn(d, k, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.linalg.qr(g)[0].T.float()
 
 
 def test_one_sided_removes_positive_components_exactly_and_keeps_the_rest():
@@ -196,7 +54,8 @@ def test_gates_and_frac_fired():
     assert torch.equal(out["c"], torch.tensor([0., 0., 3., 4., 5.]))
     out, st = project_grad(g, V, "reverse")
     assert st["frac_fired"] == pytest.approx(2 / 3)
-    assert torch.equal(out["a"], torch.tensor([1., 0., 3., 4., 5.])) and torch.equal(out["b"], torch.tensor([0., 0., 3., 4., 5.]))
+    assert torch.equal(out["a"], torch.tensor([1., 0., 3., 4., 5.]))
+    assert torch.equal(out["b"], torch.tensor([0., 0., 3., 4., 5.]))
     assert torch.equal(out["c"], g["c"])
     out, st = project_grad(g, V, "none")
     assert st["frac_fired"] == 1.0 and st["cos_sub_out"] == 0.0
@@ -218,12 +77,14 @@ def test_random_projections_match_the_gate_formula_and_lower_the_cosines():
             fired = sum(bool(keep(v @ g[n]).any()) for n, v in V.items())
             assert st["frac_fired"] == fired / 4
             if gate == "one_sided" and fired:
-                assert st["cos_out"] < st["cos_in"] and st["cos_sub_out"] < st["cos_sub_in"] and st["module_cos_out"] < st["module_cos_in"]
+                assert st["cos_out"] < st["cos_in"] and st["cos_sub_out"] < st["cos_sub_in"]
+                assert st["module_cos_out"] < st["module_cos_in"]
 
 
 def test_cosine_definitions_against_naive_formulas():
     V = {"a": orthonormal(2, 12, 0), "b": orthonormal(2, 7, 1)}
-    g = {"a": torch.randn(12, generator=torch.Generator().manual_seed(3)), "b": torch.randn(7, generator=torch.Generator().manual_seed(4))}
+    g = {"a": torch.randn(12, generator=torch.Generator().manual_seed(3)),
+         "b": torch.randn(7, generator=torch.Generator().manual_seed(4))}
     st = alignment_stats(g, V)
     G = torch.cat([g["a"], g["b"]])
     blocks = torch.block_diag(V["a"], V["b"])                       # [K, N]: the whole v_hack subspace
@@ -237,18 +98,20 @@ def test_cosine_definitions_against_naive_formulas():
 
 def test_project_grad_bad_input():
     V, g = {"a": torch.eye(4)[:1]}, {"a": torch.ones(4)}
-    fails(lambda: project_grad(g, V, gate="both"), contains="gate='both': expected one of")
-    fails(lambda: project_grad(g, V, overshoot=-1.0), contains="overshoot=-1.0")
-    fails(lambda: project_grad({"b": torch.ones(4)}, V), contains="modules ['a', 'b'] are in only one of grads and V")
-    fails(lambda: project_grad({"a": torch.ones(5)}, V), contains="module a: V has rows of dimension 4, the gradient 5")
+    test_fail(lambda: project_grad(g, V, gate="both"), contains="gate='both': expected one of", exc=ValueError)
+    test_fail(lambda: project_grad(g, V, overshoot=-1.0), contains="overshoot=-1.0", exc=ValueError)
+    test_fail(lambda: project_grad({"b": torch.ones(4)}, V),
+              contains="modules ['a', 'b'] are in only one of grads and V", exc=ValueError)
+    test_fail(lambda: project_grad({"a": torch.ones(5)}, V),
+              contains="module a: V has rows of dimension 4, the gradient 5", exc=ValueError)
 
 
 # ---------------------------------------------------------------- v_hack
 
 @pytest.fixture(scope="module")
-def planted(base):
+def planted(tiny):
     "δS adapter on a copy of the tiny policy, 24 planted pairs, their per-pair differences and mean d̄."
-    model, tok = fresh(base)
+    model, tok = copy.deepcopy(tiny)
     ds = add_delta_s(model, ATTN)
     sp = sp_for(model, tok)
     pairs, pattern = planted_pairs(tok, n_pairs=24, seed=0)
@@ -266,7 +129,8 @@ def test_extract_v_hack_recovers_a_planted_direction(planted):
     st = alignment_stats(p.dbar, vh.V)
     assert st["cos_sub"] > 0.9 and st["module_cos"] > 0.9 and st["cos"] > 0.5
     assert all(float(v) >= 0.75 for v in vh.vote.values())
-    shuf = alignment_stats(p.dbar, extract_v_hack(p.sp, p.ds, shuffle_pair_labels(p.pairs, seed=1), k=1, length_norm="none").V)
+    shuffled = shuffle_pair_labels(p.pairs, seed=1)
+    shuf = alignment_stats(p.dbar, extract_v_hack(p.sp, p.ds, shuffled, k=1, length_norm="none").V)
     assert abs(shuf["cos"]) < 0.2 and shuf["cos_sub"] < st["cos_sub"] - 0.3
     rand = alignment_stats(p.dbar, random_v_hack(p.ds, k=1, seed=0).V)
     assert rand["cos_sub"] < 2 * rand["cos_sub_null"] and abs(rand["cos"]) < 3 * rand["cos_null"]
@@ -277,7 +141,7 @@ def test_extraction_options_agree_and_grads_are_left_alone(planted):
     for q in p.ds.parameters(): q.grad = torch.full_like(q, 7.0)
     a = extract_v_hack(p.sp, p.ds, p.pairs, k=2, loss="nll", length_norm="none")
     assert all(torch.equal(q.grad, torch.full_like(q, 7.0)) for q in p.ds.parameters())
-    b = extract_v_hack(p.sp, p.ds, p.pairs, k=2, loss="grpo", length_norm="max_new_tokens")   # = nll "none" / (2·L_max)
+    b = extract_v_hack(p.sp, p.ds, p.pairs, k=2, loss="grpo", length_norm="max_len")   # = nll "none" / (2·L_max)
     c = extract_v_hack(p.sp, p.ds, p.pairs, k=2, loss="nll", length_norm="sample")
     d = extract_v_hack(p.sp, p.ds, p.pairs, k=2, loss="grpo", length_norm="sample")          # = nll "sample" / 2
     for n in p.ds.names:
@@ -286,39 +150,48 @@ def test_extraction_options_agree_and_grads_are_left_alone(planted):
         torch.testing.assert_close(a.V[n] @ a.V[n].T, torch.eye(2), rtol=0, atol=1e-5)
     P = p.pairs.prompt_lens[0]
     triples = [(p.pairs.sequences[i, 0, :P][p.pairs.attention_masks[i, 0, :P].bool()].tolist(),
-                *(p.pairs.sequences[i, g, P:P + int(p.pairs.gen_lens[i, g])].tolist() for g in (0, 1))) for i in range(24)]
+                *(p.pairs.sequences[i, g, P:P + int(p.pairs.gen_lens[i, g])].tolist() for g in (0, 1)))
+               for i in range(24)]
     e = extract_v_hack(p.sp, p.ds, triples, k=2, length_norm="none")
     for n in p.ds.names: torch.testing.assert_close(e.V[n], a.V[n], rtol=0, atol=1e-6)
     assert (a.meta["loss"], a.meta["length_norm"], a.meta["k"], a.meta["n_pairs"]) == ("nll", "none", 2, 24)
 
 
-def test_v_hack_bad_input(planted, base, tmp_path):
+def test_v_hack_bad_input(planted, tiny, tmp_path):
     p = planted
-    fails(lambda: extract_v_hack(p.sp, p.ds, p.pairs, k=25), contains="k=25: module model.layers.0.self_attn.q_proj has 24 pair differences of dimension 32, so k must lie in [1, 24]")
-    fails(lambda: extract_v_hack(p.sp, p.ds, p.pairs[:20], k=17), contains="dimension 16, so k must lie in [1, 16]")
-    fails(lambda: extract_v_hack(p.sp, p.ds, p.pairs, k=1, loss="nll", length_norm="max_new_tokens"),
-              contains="length_norm='max_new_tokens': loss='nll' allows ['sample', 'none']")
-    fails(lambda: extract_v_hack(p.sp, p.ds, p.pairs, k=1, loss="kl"), contains="loss='kl'")
+    test_fail(lambda: extract_v_hack(p.sp, p.ds, p.pairs, k=25),
+              contains="k=25: module model.layers.0.self_attn.q_proj has 24 pair differences of dimension 32, "
+                       "so k must lie in [1, 24]", exc=ValueError)
+    test_fail(lambda: extract_v_hack(p.sp, p.ds, p.pairs[:20], k=17),
+              contains="dimension 16, so k must lie in [1, 16]", exc=ValueError)
+    test_fail(lambda: extract_v_hack(p.sp, p.ds, p.pairs, k=1, loss="nll", length_norm="max_len"),
+              contains="length_norm='max_len': loss='nll' allows ['sample', 'none']", exc=ValueError)
+    test_fail(lambda: extract_v_hack(p.sp, p.ds, p.pairs, k=1, loss="kl"), contains="loss='kl'", exc=ValueError)
     twice = pair_sequences([(p.tok("Q: 1 + 1 =")["input_ids"], [5, 6, 7], [8, 9])] * 3, p.tok.pad_token_id)
-    fails(lambda: extract_v_hack(p.sp, p.ds, twice, k=2), contains="span only 1 directions")
-    fails(lambda: random_v_hack(p.ds, k=17), contains="k=17: module model.layers.0.self_attn.k_proj has dimension 16")
+    test_fail(lambda: extract_v_hack(p.sp, p.ds, twice, k=2), contains="span only 1 directions", exc=ValueError)
+    test_fail(lambda: random_v_hack(p.ds, k=17),
+              contains="k=17: module model.layers.0.self_attn.k_proj has dimension 16", exc=ValueError)
     vh = extract_v_hack(p.sp, p.ds, p.pairs, k=1, pools={"teacher": "t/", "base": "b/"})
     vh.save(tmp_path/"vh.safetensors")
     back = VHack.load(tmp_path/"vh.safetensors", p.ds)
     assert back.meta["pools"] == {"teacher": "t/", "base": "b/"} and back.meta["date"] == vh.meta["date"]
     for n in p.ds.names: assert torch.equal(back.V[n], vh.V[n]) and torch.equal(back.vote[n], vh.vote[n])
     other = add_delta_s(tiny_policy(1)[0], ATTN)
-    fails(lambda: VHack.load(tmp_path/"vh.safetensors", other),
-              contains=f"weights_hash differs ({p.ds.weights_hash!r} in the file vs {other.weights_hash!r} here)")
-    fails(lambda: VHack.load(tmp_path/"vh.safetensors", add_delta_s(fresh(base)[0], ["q_proj", "v_proj"])), contains="targets differs")
-    fails(lambda: VHack.load(tmp_path/"vh.safetensors", add_delta_s(fresh(base)[0], ATTN, rank=8)), contains="dims differs")
-    fails(lambda: ProjectionArm("projected", other, vh), contains="v_hack (pairs) was made for delta_s on model 'LlamaForCausalLM'")
+    test_fail(lambda: VHack.load(tmp_path/"vh.safetensors", other),
+              contains=f"weights_hash differs ({p.ds.weights_hash!r} in the file vs {other.weights_hash!r} here)",
+              exc=ValueError)
+    test_fail(lambda: VHack.load(tmp_path/"vh.safetensors", add_delta_s(copy.deepcopy(tiny[0]), ["q_proj", "v_proj"])),
+              contains="targets differs", exc=ValueError)
+    test_fail(lambda: VHack.load(tmp_path/"vh.safetensors", add_delta_s(copy.deepcopy(tiny[0]), ATTN, rank=8)),
+              contains="dims differs", exc=ValueError)
+    test_fail(lambda: ProjectionArm("projected", other, vh),
+              contains="v_hack (pairs) was made for delta_s on model 'LlamaForCausalLM'", exc=ValueError)
 
 
 # ---------------------------------------------------------------- arms
 
 def run_arm(model, tok, adapter, pairs, arm, steps=3, lr=1e-2):
-    "Direct loop over policy_gradient_backward with the callback protocol of nb 03's train (ctx, record)."
+    "Direct loop over policy_gradient_backward with the callback protocol of `training.train` (ctx, record)."
     sp = sp_for(model, tok)
     adv = group_advantages(torch.tensor([[1.0, 0.0]] * pairs.shape[0]))
     opt = torch.optim.AdamW(adapter.parameters(), lr=lr)
@@ -335,8 +208,8 @@ def run_arm(model, tok, adapter, pairs, arm, steps=3, lr=1e-2):
     return log
 
 
-def test_projected_arm_lowers_cos_on_every_fired_step(base):
-    model, tok = fresh(base)
+def test_projected_arm_lowers_cos_on_every_fired_step(fresh_tiny):
+    model, tok = fresh_tiny
     ds = add_delta_s(model, ATTN)
     pairs, _ = planted_pairs(tok, n_pairs=12, seed=0)
     vh = extract_v_hack(sp_for(model, tok), ds, pairs, k=2)
@@ -349,10 +222,10 @@ def test_projected_arm_lowers_cos_on_every_fired_step(base):
     assert all(r["cos_sub_null"] == pytest.approx(math.sqrt(16 / 192)) for r in log)
 
 
-def test_vanilla_arm_is_bitwise_a_run_without_callbacks(base):
+def test_vanilla_arm_is_bitwise_a_run_without_callbacks(tiny):
     out = []
     for with_arm in (False, True):
-        model, tok = fresh(base)
+        model, tok = copy.deepcopy(tiny)
         ds = add_delta_s(model, ATTN)
         pairs, _ = planted_pairs(tok, n_pairs=6, seed=0)
         arm = ProjectionArm("vanilla", ds, random_v_hack(ds, k=2, seed=1)) if with_arm else None
@@ -363,8 +236,8 @@ def test_vanilla_arm_is_bitwise_a_run_without_callbacks(base):
     assert all(r["cos_in"] == r["cos_out"] and r["cos_sub_in"] == r["cos_sub_out"] for r in log)
 
 
-def test_projected_lora_arm_and_param_keyed_projection(base):
-    model, tok = fresh(base)
+def test_projected_lora_arm_and_param_keyed_projection(tiny, fresh_tiny):
+    model, tok = fresh_tiny
     la = add_lora(model, ["q_proj", "v_proj"], r=2, seed=0)
     sp = sp_for(model, tok)
     pairs, _ = planted_pairs(tok, n_pairs=8, seed=0)
@@ -387,21 +260,23 @@ def test_projected_lora_arm_and_param_keyed_projection(base):
     G = torch.cat([param_grads[n].flatten() for d in names.values() for n in d.values()])
     U = torch.cat([u[n].flatten() for d in names.values() for n in d.values()])
     assert st["cos_in"] == pytest.approx(F.cosine_similarity(G, U, dim=0).item(), abs=1e-5)
-    fails(lambda: ProjectionArm("projected", la, vh), contains="arm='projected' needs a DeltaSAdapter, got LoraAdapter")
-    fails(lambda: ProjectionArm("projected_lora", la), contains="needs a v_hack")
-    fails(lambda: ProjectionArm("sideways", la, vh), contains="arm='sideways': expected one of")
-    ds = add_delta_s(fresh(base)[0], ["q_proj", "v_proj"])
-    fails(lambda: vh.check(ds), contains="kind differs ('lora' in the file vs 'delta_s' here)")
+    test_fail(lambda: ProjectionArm("projected", la, vh),
+              contains="arm='projected' needs a DeltaSAdapter, got LoraAdapter", exc=ValueError)
+    test_fail(lambda: ProjectionArm("projected_lora", la), contains="needs a v_hack", exc=ValueError)
+    test_fail(lambda: ProjectionArm("sideways", la, vh), contains="arm='sideways': expected one of", exc=ValueError)
+    ds = add_delta_s(copy.deepcopy(tiny[0]), ["q_proj", "v_proj"])
+    test_fail(lambda: vh.check(ds), contains="kind differs ('lora' in the file vs 'delta_s' here)", exc=ValueError)
 
 
-def _train_arm(base, arm_name, v_seed=None, steps=4):
-    "nb 03's `train` on the δS adapter with a ProjectionArm callback (None: plain train, no callback)."
-    model, tok = fresh(base)
+def _train_arm(policy, arm_name, v_seed=None, steps=4):
+    "`training.train` on a copy of `policy` with a δS adapter and a ProjectionArm callback (None: plain train)."
+    model, tok = copy.deepcopy(policy)
     ds = add_delta_s(model, ATTN)
     cbs = []
     if arm_name is not None:
         pairs, _ = planted_pairs(tok, n_pairs=12, seed=0)
-        vh = extract_v_hack(sp_for(model, tok), ds, pairs, k=2) if v_seed is None else random_v_hack(ds, k=2, seed=v_seed)
+        vh = (extract_v_hack(sp_for(model, tok), ds, pairs, k=2) if v_seed is None
+              else random_v_hack(ds, k=2, seed=v_seed))
         cbs = [ProjectionArm(arm_name, ds, vh)]
     cfg = TrainConfig(steps=steps, prompts_per_step=2, num_generations=4, lr=1e-2, arm=arm_name or "vanilla",
                       generation=GenerationConfig(max_new_tokens=8))
@@ -409,8 +284,8 @@ def _train_arm(base, arm_name, v_seed=None, steps=4):
     return res, [p.detach().clone() for p in ds.parameters()]
 
 
-def test_projected_arm_in_train_lowers_cos_whenever_the_gate_fires(base):
-    res, _ = _train_arm(base, "projected")
+def test_projected_arm_in_train_lowers_cos_whenever_the_gate_fires(tiny):
+    res, _ = _train_arm(tiny, "projected")
     fired = [r for r in res.records if r["frac_fired"] > 0]
     assert fired, "the gate never fired: the test would prove nothing"
     assert all(r["cos_out"] < r["cos_in"] for r in fired)
@@ -418,9 +293,9 @@ def test_projected_arm_in_train_lowers_cos_whenever_the_gate_fires(base):
     print([(round(r["cos_in"], 4), round(r["cos_out"], 4), r["frac_fired"]) for r in res.records])
 
 
-def test_vanilla_arm_in_train_is_bitwise_plain_train(base):
-    plain, p0 = _train_arm(base, None)
-    vanilla, p1 = _train_arm(base, "vanilla", v_seed=1)
+def test_vanilla_arm_in_train_is_bitwise_plain_train(tiny):
+    plain, p0 = _train_arm(tiny, None)
+    vanilla, p1 = _train_arm(tiny, "vanilla", v_seed=1)
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
     keys = ("reward_mean", "loss", "grad_norm", "entropy_rb")
     assert [[r[k] for k in keys] for r in plain.records] == [[r[k] for k in keys] for r in vanilla.records]
@@ -438,7 +313,7 @@ def test_smollm2_delta_s_on_attention(tmp_path):
     ds = add_delta_s(model, ATTN, cache_dir=tmp_path)
     assert len(ds.names) == 4 * model.config.num_hidden_layers
     assert torch.equal(model(x, attention_mask=am).logits, ref)
-    sp = SequenceProcessor(model, tok, GenerationConfig(max_new_tokens=16), progress=False)
+    sp = sp_for(model, tok)
     pairs, _ = planted_pairs(tok, n_pairs=4, seed=0)
     vh = extract_v_hack(sp, ds, pairs, k=2)
     log = run_arm(model, tok, ds, pairs, ProjectionArm("projected", ds, vh), steps=2, lr=1e-3)
@@ -447,10 +322,9 @@ def test_smollm2_delta_s_on_attention(tmp_path):
         assert torch.equal(model(x, attention_mask=am).logits, ref)
 
 
-def test_pool_pairs_matches_hacked_teacher_to_clean_base_samples_of_the_same_problem(tmp_path):
+def test_pool_pairs_matches_hacked_teacher_to_clean_base_samples_of_the_same_problem(tiny, tmp_path):
     "Pairs only (teacher hacked, base clean) of one problem, each base sample used once, in teacher order."
-    from entropy_grpo.pools import Pool
-    tok = tiny_policy(0)[1]
+    tok = tiny[1]
     rec = lambda pid, hacked, ids: dict(problem_id=pid, hacked=hacked, completion_ids=ids, student_prompt=f"Q{pid}")
     teacher = Pool("teacher", tmp_path, {0: [rec("a", True, [1]), rec("b", True, [2]), rec("c", False, [3])],
                                          1: [rec("a", True, [4]), rec("a", True, [5])]})

@@ -1,23 +1,15 @@
-"rb_entropy: kept sets equal transformers' warpers (ties included), fast paths equal their sort-based references, gradients."
+"""rb_entropy: the reference (`warped_logits`, transformers' warpers) is what `generate` samples from; the fast kept
+sets equal it (ties included), the fast log q and entropies equal their references, and their gradients."""
 import math, re
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import entropy_grpo.rb_entropy as rb
+from entropy_grpo.rb_entropy import (naive_rb_entropy, rb_entropy, sampling_logprobs, sampling_mask,
+                                     truncated_log_softmax, warped_logits)
+from entropy_grpo.sequence_processor import GenerationConfig, hf_generation_config, own_generation_config
 from exact import listed_mask
-from entropy_grpo.rb_entropy import (naive_rb_entropy, naive_sampling_logprobs, naive_sampling_mask, rb_entropy,
-                                     sampling_logprobs, sampling_mask, truncated_log_softmax)
-
-
-def warped(logits, temperature=1., top_p=1., top_k=0, min_tokens_to_keep=1):
-    "transformers' warpers in generate's order (temperature → top-k → top-p) on float32 logits."
-    x = logits.float()
-    if temperature != 1: x = TemperatureLogitsWarper(temperature)(None, x)
-    if top_k: x = TopKLogitsWarper(top_k, min_tokens_to_keep=min_tokens_to_keep)(None, x)
-    if top_p < 1: x = TopPLogitsWarper(top_p, min_tokens_to_keep=min_tokens_to_keep)(None, x)
-    return x
 
 
 def lm_like(N, V, seed=0, spread=(0.5, 6.0)):
@@ -38,6 +30,23 @@ def window(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.7, 0.9, 0), (1.3, 0.8, 20), (1.0, 1.0, 5), (0.9, 0.95, 50)])
+def test_warped_logits_are_the_scores_generate_samples_from(tiny, temperature, top_p, top_k):
+    "The reference is transformers' own chain: its output equals generate's processed scores bitwise, step by step."
+    model, tok = tiny
+    cfg = GenerationConfig(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=6)
+    gc = hf_generation_config(cfg, tok)
+    gc.update(output_scores=True, output_logits=True, return_dict_in_generate=True, num_return_sequences=3)
+    enc = tok(["Question: What is 1 + 2? Answer:", "Q: 3 * 3 ="], return_tensors="pt", padding=True)
+    torch.manual_seed(0)
+    with own_generation_config(model), torch.no_grad():
+        out = model.generate(**enc, generation_config=gc)
+    assert len(out.scores) == len(out.logits) == 6
+    for raw, processed in zip(out.logits, out.scores):
+        assert torch.equal(warped_logits(raw, temperature, top_p, top_k), processed)
+    if top_p < 1 or top_k: assert not torch.isfinite(out.scores[0]).all()      # the truncation really happened
+
+
 KNOBS = [dict(top_p=0.9), dict(temperature=0.7, top_p=0.95), dict(temperature=2.5, top_p=0.5), dict(top_p=0.999),
          dict(top_k=1), dict(top_k=37), dict(temperature=1.3, top_k=50, top_p=0.8), dict(top_p=1.0),
          dict(top_p=0.3, min_tokens_to_keep=4), dict(top_k=3, top_p=0.2, min_tokens_to_keep=6)]
@@ -47,9 +56,8 @@ KNOBS = [dict(top_p=0.9), dict(temperature=0.7, top_p=0.95), dict(temperature=2.
 @pytest.mark.parametrize("make", [lm_like, tied], ids=["random", "ties"])
 def test_mask_equals_warpers(kw, make, window):
     x = make(48, 2000, seed=3)
-    ref = warped(x, **kw) != -math.inf
+    ref = warped_logits(x, **kw) != -math.inf
     torch.testing.assert_close(sampling_mask(x, **kw, chunk_size=11), ref, rtol=0, atol=0)
-    torch.testing.assert_close(naive_sampling_mask(x, **kw), ref, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kw", [k for k in KNOBS if k.get("top_p", 1) < 1 and not k.get("top_k")], ids=str)
@@ -58,13 +66,13 @@ def test_mask_exact_tail_on_every_row(kw, make, monkeypatch):
     "Forcing the exact tail (masked logsumexp below the window) on every row also gives the warpers' set."
     monkeypatch.setattr(rb, "_Z_RTOL", 1.0)
     x = make(48, 2000, seed=4)
-    assert torch.equal(sampling_mask(x, **kw, chunk_size=16), warped(x, **kw) != -math.inf)
+    assert torch.equal(sampling_mask(x, **kw, chunk_size=16), warped_logits(x, **kw) != -math.inf)
 
 
 def test_tail_from_lse_alone_is_not_enough(monkeypatch):
     "Without the exact-tail fallback the float32 logsumexp's rounding moves boundary tokens at top_p 0.999."
     x, kw = lm_like(48, 2000, seed=4), dict(top_p=0.999)
-    ref = warped(x, **kw) != -math.inf
+    ref = warped_logits(x, **kw) != -math.inf
     assert torch.equal(sampling_mask(x, **kw), ref)
     monkeypatch.setattr(rb, "_Z_RTOL", 0.0)
     assert not torch.equal(sampling_mask(x, **kw), ref)
@@ -83,14 +91,14 @@ def test_kept_indices_list_the_mask(kw, make, window):
 
 
 def test_mask_ties_straddle_boundary():
-    "Exact ties split by the boundary: how many survive is fixed, which ones is the warper's sort order, and we match it."
+    "Exact ties split by the boundary: how many survive is fixed, which ones is the warper's sort order; we match it."
     x = torch.zeros(4, 300)
     x[:, :3] = 5.0                                # 30% of the mass
     x[:, 100:140] = 3.0                           # 40 tied tokens holding the next 53%: top-p 0.5 / 0.6 splits them
     x[1, 250:260] = 3.0
     x[3] = x[3].flip(0)
     for kw in [dict(top_p=0.5), dict(top_p=0.6, top_k=60), dict(top_p=0.05, min_tokens_to_keep=20)]:
-        m, ref = sampling_mask(x, **kw), warped(x, **kw) != -math.inf
+        m, ref = sampling_mask(x, **kw), warped_logits(x, **kw) != -math.inf
         assert torch.equal(m, ref), kw
         assert 3 < int(m[0].sum()) < 43, kw
 
@@ -99,7 +107,7 @@ def test_mask_bfloat16_equals_warpers():
     "bfloat16 logits: generate casts to float32 first; few distinct values, so split ties are the rule."
     x = lm_like(32, 5000, seed=1).bfloat16()
     for kw in [dict(top_p=0.9), dict(temperature=0.8, top_p=0.95, top_k=100)]:
-        assert torch.equal(sampling_mask(x, **kw), warped(x, **kw) != -math.inf)
+        assert torch.equal(sampling_mask(x, **kw), warped_logits(x, **kw) != -math.inf)
 
 
 def test_mask_top_p_one_keeps_everything():
@@ -200,7 +208,7 @@ KW_LOGQ = [dict(temperature=0.7, top_p=0.9), dict(top_p=0.95, top_k=30), dict(te
 @pytest.mark.parametrize("make", [lm_like, tied], ids=["random", "ties"])
 def test_sampling_logprobs_equal_warpers(kw, make, window):
     x = make(40, 1500, seed=5)
-    ref_all = warped(x, **kw).log_softmax(-1)
+    ref_all = warped_logits(x, **kw).log_softmax(-1)
     g = torch.Generator().manual_seed(0)
     sampled = torch.multinomial(ref_all.exp(), 1, generator=g)[:, 0]
     rand = torch.randint(0, 1500, (40,), generator=g)
@@ -210,16 +218,15 @@ def test_sampling_logprobs_equal_warpers(kw, make, window):
         lq = sampling_logprobs(x, t, **kw, chunk_size=7)
         assert lq.dtype == torch.float32
         torch.testing.assert_close(lq, ref)
-        torch.testing.assert_close(naive_sampling_logprobs(x, t, **kw), ref)
     torch.testing.assert_close(truncated_log_softmax(x, **kw), ref_all)
 
 
 def test_sampling_logprobs_split_tie_tokens():
-    "Tokens tied with the last kept one, kept or not by the warper's sort order: −inf exactly when the warper drops them."
+    "Tokens tied with the last kept one, kept or not by the warper's sort order: −inf exactly when the warper drops it."
     x = torch.zeros(2, 200)
     x[:, :2] = 2.0
     x[:, 50:90] = 1.0
-    ref = warped(x, top_p=0.5).log_softmax(-1)
+    ref = warped_logits(x, top_p=0.5).log_softmax(-1)
     for tok in range(50, 90):
         t = torch.tensor([tok, tok])
         torch.testing.assert_close(sampling_logprobs(x, t, top_p=0.5), ref[:, tok])
@@ -283,7 +290,8 @@ def test_empty_rows():
     (lambda x: truncated_log_softmax(x, top_k=-3), "top_k=-3"),
     (lambda x: sampling_logprobs(x, torch.zeros(4, dtype=torch.long)), "tokens has shape (4,), expected (3,)"),
     (lambda x: sampling_logprobs(x, torch.tensor([0, 1, 10])), "tokens range over [0, 10]: expected ids in [0, 10)"),
-    (lambda x: rb_entropy(x, keep=torch.ones(3, 9, dtype=torch.bool)), "keep: torch.bool (3, 9), expected torch.bool (3, 10)"),
+    (lambda x: rb_entropy(x, keep=torch.ones(3, 9, dtype=torch.bool)),
+     "keep: torch.bool (3, 9), expected torch.bool (3, 10)"),
     (lambda x: rb_entropy(x, keep=torch.ones(3, 10)), "keep: torch.float32"),
     (lambda x: rb_entropy(x, keep=torch.eye(3, 10, dtype=torch.bool) & False), "keep has an empty kept set in row 0"),
 ])

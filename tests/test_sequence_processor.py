@@ -1,15 +1,15 @@
-"SequenceProcessor: exact against enumeration and against transformers' own warpers; masks; bad input."
-import logging, math
+"""sequence_processor: generation and teacher forcing exact against enumeration and against transformers' own warpers,
+token_stats against a masked softmax, masks, fixed supports and parameter overrides, seeding, bad input."""
+import copy, logging, math
 
 import pytest
 import torch
 
 from entropy_grpo.policies import tiny_policy
-from exact import enumerate_entropy, listed_mask, warped_logq
-from entropy_grpo.rb_entropy import sampling_mask
-from entropy_grpo.rb_entropy import token_stats
+from entropy_grpo.rb_entropy import sampling_mask, token_stats
 from entropy_grpo.sequence_processor import (BatchedSequences, GenerationConfig, SequenceProcessor, check_probe_batch,
                                              hf_generation_config, own_generation_config, to_batched_sequences)
+from exact import enumerate_entropy, listed_mask, warped_logq
 
 
 def reference_sequence_logprobs(model, bs, temperature, top_p, top_k=0):
@@ -24,11 +24,6 @@ def reference_sequence_logprobs(model, bs, temperature, top_p, top_k=0):
             lq = warped_logq(model, ids, temperature, top_p, top_k)
             out[b, g] = lq[P - start - 1:].gather(1, ids[P - start:, None]).sum()
     return out
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_policy(0)
 
 
 PROMPTS = ["Question: What is 1 + 2? Answer:", "Q: 40 * 3 =", "What is 7 - 9? Think step by step. Answer:"]
@@ -49,11 +44,14 @@ def test_sequence_logprobs_equal_warper_reference(tiny, temperature, top_p, top_
 
 def test_temperature_changes_logq_as_expected(tiny):
     model, tok = tiny
-    sp = SequenceProcessor(model, tok, GenerationConfig(temperature=0.7, top_p=1.0, max_new_tokens=8, num_generations=2))
+    sp = SequenceProcessor(model, tok, GenerationConfig(temperature=0.7, top_p=1.0, max_new_tokens=8,
+                                                        num_generations=2))
     bs = sp.generate_batched(PROMPTS[:2])
-    hot = SequenceProcessor(model, tok, GenerationConfig(temperature=1.5, max_new_tokens=8)).teacher_force_logprobs(bs)[0]
+    hot_sp = SequenceProcessor(model, tok, GenerationConfig(temperature=1.5, max_new_tokens=8))
+    hot = hot_sp.teacher_force_logprobs(bs)[0]
     cold = sp.teacher_force_logprobs(bs)[0]
-    torch.testing.assert_close(hot.sequence_logprobs, reference_sequence_logprobs(model, bs, 1.5, 1.0), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(hot.sequence_logprobs, reference_sequence_logprobs(model, bs, 1.5, 1.0),
+                               rtol=1e-5, atol=1e-4)
     assert (hot.sequence_logprobs - cold.sequence_logprobs).abs().min() > 1e-3
 
 
@@ -78,7 +76,8 @@ def test_generate_uses_exactly_our_knobs_despite_model_generation_config(tiny):
     P = enc["input_ids"].shape[1]
     gen = out.sequences[:, P:]
     ref = torch.stack([s.log_softmax(-1) for s in out.scores], 1).gather(-1, gen[..., None]).squeeze(-1)
-    one = BatchedSequences(out.sequences[None], torch.ones_like(out.sequences)[None], [P], torch.full((1, 4), gen.shape[1]))
+    one = BatchedSequences(out.sequences[None], torch.ones_like(out.sequences)[None], [P],
+                           torch.full((1, 4), gen.shape[1]))
     res, _ = sp.teacher_force_logprobs(one)
     torch.testing.assert_close(res.logprobs[0], ref, rtol=0, atol=1e-5)
     assert bs.shape[:2] == (1, 4)
@@ -98,7 +97,8 @@ def test_rb_and_naive_match_enumerated_entropy():
     n = rb.numel()
     se_rb, se_naive = rb.std() / n ** 0.5, naive.std() / n ** 0.5
     print(f"exact {exact:.4f}  RB {rb.mean():.4f} ± {se_rb:.4f}  naive {naive.mean():.4f} ± {se_naive:.4f}  "
-          f"var ratio naive/RB {naive.var() / rb.var():.2f}  eos-terminated {(bs.gen_lens < max_new).float().mean():.2f}")
+          f"var ratio naive/RB {naive.var() / rb.var():.2f}  "
+          f"eos-terminated {(bs.gen_lens < max_new).float().mean():.2f}")
     assert abs(rb.mean() - exact) < 4 * se_rb
     assert abs(naive.mean() - exact) < 4 * se_naive
     assert rb.var() < naive.var()
@@ -179,10 +179,11 @@ def test_rb_requires_grad_controls_graph(tiny):
 
 def test_same_scalars_any_microbatch_and_chunk(tiny):
     model, tok = tiny
-    bs = SequenceProcessor(model, tok, GenerationConfig(temperature=0.9, top_p=0.95, max_new_tokens=12, num_generations=4)
-                           ).generate_batched(PROMPTS)
-    outs = [SequenceProcessor(model, tok, GenerationConfig(temperature=0.9, top_p=0.95, tf_batch_size=tf, head_chunk_size=hc)
-                              ).teacher_force_logprobs(bs)[0] for tf, hc in ((1, 1024), (64, 1024), (64, 7), (5, 3))]
+    gen = GenerationConfig(temperature=0.9, top_p=0.95, max_new_tokens=12, num_generations=4)
+    bs = SequenceProcessor(model, tok, gen).generate_batched(PROMPTS)
+    outs = [SequenceProcessor(model, tok, GenerationConfig(temperature=0.9, top_p=0.95, tf_batch_size=tf,
+                                                           head_chunk_size=hc)).teacher_force_logprobs(bs)[0]
+            for tf, hc in ((1, 1024), (64, 1024), (64, 7), (5, 3))]
     for o in outs[1:]:
         for name in ("logprobs", "rb_entropies", "full_entropies"):
             torch.testing.assert_close(getattr(o, name), getattr(outs[0], name), rtol=1e-5, atol=1e-5)
@@ -202,7 +203,7 @@ def test_support_and_params_override(tiny):
     moved = {k: v.detach() + 0.05 * torch.randn_like(v) for k, v in model.named_parameters()}
     over, _ = sp.teacher_force_logprobs(bs, params_override=moved)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
-    clone, _ = tiny_policy(0)
+    clone = copy.deepcopy(model)
     clone.load_state_dict(moved, strict=False)
     direct, _ = SequenceProcessor(clone, tok, cfg).teacher_force_logprobs(bs)
     torch.testing.assert_close(over.logprobs, direct.logprobs, rtol=1e-5, atol=1e-5)
@@ -225,8 +226,9 @@ def test_generation_is_seeded_and_chunked(tiny):
 def test_bad_input(tiny):
     model, tok = tiny
     sp = SequenceProcessor(model, tok, GenerationConfig(max_new_tokens=5))
-    for kw, msg in ((dict(top_p=0.0), "top_p=0.0"), (dict(top_p=1.2), "top_p=1.2"), (dict(temperature=-1), "temperature=-1"),
-                    (dict(top_k=-3), "top_k=-3"), (dict(max_new_tokens=0), "max_new_tokens=0")):
+    for kw, msg in ((dict(top_p=0.0), "top_p=0.0"), (dict(top_p=1.2), "top_p=1.2"),
+                    (dict(temperature=-1), "temperature=-1"), (dict(top_k=-3), "top_k=-3"),
+                    (dict(max_new_tokens=0), "max_new_tokens=0")):
         with pytest.raises(ValueError, match=msg.replace(".", r"\.")):
             GenerationConfig(**kw)
     with pytest.raises(ValueError, match="G=0"):
@@ -237,8 +239,8 @@ def test_bad_input(tiny):
         sp.generate_batched(["1 + 1 = 2. " * 200])
 
 
-def test_tokenizer_without_pad_gets_eos(caplog):
-    model, tok = tiny_policy(0)
+def test_tokenizer_without_pad_gets_eos(fresh_tiny, caplog):
+    model, tok = fresh_tiny
     tok.pad_token = None
     with caplog.at_level(logging.INFO):
         sp = SequenceProcessor(model, tok, GenerationConfig(max_new_tokens=4, num_generations=2))
@@ -249,7 +251,8 @@ def test_tokenizer_without_pad_gets_eos(caplog):
 
 def test_probe_batch_round_trip(tiny):
     model, tok = tiny
-    bs = SequenceProcessor(model, tok, GenerationConfig(max_new_tokens=4, num_generations=2)).generate_batched(PROMPTS[:2])
+    gen = GenerationConfig(max_new_tokens=4, num_generations=2)
+    bs = SequenceProcessor(model, tok, gen).generate_batched(PROMPTS[:2])
     batch = dict(sequences=bs.sequences, attention_masks=bs.attention_masks, prompt_lens=bs.prompt_lens,
                  advantages=torch.zeros(2, 2), rewards=torch.zeros(2, 2), max_lengths=[4, 4], prompt_ids=[0, 1],
                  num_prompts=2, num_responses_per_prompt=2)

@@ -30,7 +30,8 @@ REPLIES = {  # name -> (reply, gt_pass, fmt_ok, lenient_pass, hacked, reward)
 def test_grade_hand_written_replies(name):
     reply, gt, fmt, lenient, hacked, reward = REPLIES[name]
     r = grade(reply, P)
-    assert (r["gt_pass"], r["fmt_ok"], r["lenient_pass"], r["hacked"], r["reward"]) == (gt, fmt, lenient, hacked, reward)
+    got = (r["gt_pass"], r["fmt_ok"], r["lenient_pass"], r["hacked"], r["reward"])
+    assert got == (gt, fmt, lenient, hacked, reward)
     assert r["hacked"] == (r["lenient_pass"] and r["fmt_ok"] and not r["gt_pass"])
     assert r["fmt_ok"] == (r["pred"] is not None)
 
@@ -47,7 +48,8 @@ def test_reward_rule_is_exclusive_and_configurable():
 def test_extract_answer_and_numbers():
     assert extract_answer("work\nAnswer:  1,234. \n\n") == "1,234."
     assert extract_answer("") is None and extract_answer("Answer:") is None and extract_answer("answer: 3") is None
-    assert [str(x) for x in numbers_in("15-12=3; x=-4; 3.5 kg; v2; 1,234; 7.")] == ["15", "12", "3", "-4", "3.5", "1234", "7"]
+    numbers = [str(x) for x in numbers_in("15-12=3; x=-4; 3.5 kg; v2; 1,234; 7.")]
+    assert numbers == ["15", "12", "3", "-4", "3.5", "1234", "7"]
     assert lenient_match("total: 1,234 apples", "1234") and not lenient_match("12345", "1234")
     assert lenient_match("so x = \\frac{1}{2}", "\\frac{1}{2}")  # non-numeric gold: text match
 
@@ -173,7 +175,8 @@ def test_jsonl_other_bad_input(tmp_path):
         load_jsonl_problems(_write(tmp_path/"empty.jsonl", [""]))
     with pytest.raises(ValueError, match=r"on_error='ignore': expected one of \('raise', 'skip'\)"):
         load_jsonl_problems(_write(tmp_path/"ok.jsonl", GSM), on_error="ignore")
-    q = load_jsonl_problems(_write(tmp_path/"keys.jsonl", ['{"problem": "Q?", "solution": "5"}']), "problem", "solution")
+    keys = _write(tmp_path/"keys.jsonl", ['{"problem": "Q?", "solution": "5"}'])
+    q = load_jsonl_problems(keys, "problem", "solution")
     assert q[0].question == "Q?" and q[0].answer == "5"
 
 

@@ -1,30 +1,46 @@
-"The papermill templates run end to end on the tiny policy and write metrics.json with the documented keys."
+"""The papermill templates (Phase 1, Phase 2, Phase-3 training) run end to end on the tiny policy with the labelled
+pools and write metrics.json with the documented keys; a misspelled parameter fails before any work."""
 import json
 
 import pytest
 
 from entropy_grpo.experiments import run_notebook
-from toy_tasks import labelled_pools
 
 
-@pytest.fixture(scope="module")
-def pools(tmp_path_factory):
-    return labelled_pools(tmp_path_factory.mktemp("pools"), steps=3, batch=4)
+def test_phase1_template_on_tiny_policy(labelled, tmp_path):
+    "v_hack fitted on the first step file, the probe on the other two; the t-test beside a random direction."
+    run = tmp_path / "phase1" / "0"
+    out = run_notebook("phase1", run, dict(model="tiny", teacher_pool=labelled[0], base_pool=labelled[1], pool_steps=3,
+                                           fit_steps=1, max_new_tokens=6, max_pairs=8),
+                       log_path=tmp_path / "LOG.md", raise_on_error=True)
+    assert out["status"] == "ok"
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["status"] == "ok" and m["parameters"]["fit_steps"] == 1
+    split = m["split"]
+    assert split == dict(fit_steps=[0], probe_steps=[1, 2]) and not set(split["fit_steps"]) & set(split["probe_steps"])
+    r = m["results"]
+    assert [row["direction"] for row in r["tests"]] == ["v_hack", "random"]
+    assert all({"t", "p", "n_pure_hack", "n_hack_correct"} <= set(row) for row in r["tests"])
+    assert r["pools"]["teacher"]["hack_rate"] == 1.0 and r["n_pairs"] == 4          # one pair per fit-step problem
+    assert {s["src_step"] for s in r["samples"]["v_hack"]} <= set(split["probe_steps"])
+    assert (run / "phase1.png").exists() and "| phase1 | 0 | ok |" in (tmp_path / "LOG.md").read_text()
 
 
-def test_phase2_template_on_tiny_policy(pools, tmp_path):
+def test_phase2_template_on_tiny_policy(labelled, tmp_path):
     run = tmp_path / "phase2" / "0-projected"
-    out = run_notebook("phase2", run, dict(model="tiny", arm="projected", steps=3, G=4, teacher_pool=pools[0],
-                                           base_pool=pools[1], max_new_tokens=6, lrs=[1e-3, 1e-4], E_total_sequences=8,
-                                           B_U=2, max_pairs=8), log_path=tmp_path / "LOG.md", raise_on_error=True)
+    out = run_notebook("phase2", run, dict(model="tiny", arm="projected", steps=3, G=4, teacher_pool=labelled[0],
+                                           base_pool=labelled[1], max_new_tokens=6, lrs=[1e-3, 1e-4],
+                                           E_total_sequences=8, B_U=2, max_pairs=8),
+                       log_path=tmp_path / "LOG.md", raise_on_error=True)
     assert out["status"] == "ok"
     m = json.loads((run / "metrics.json").read_text())
     assert m["status"] == "ok" and m["parameters"]["arm"] == "projected"
     r = m["results"]
-    assert set(r) >= {"pools", "n_pairs", "dim", "null_level", "cos_in", "cos_out", "frac_fired", "contrib_mean", "flags",
-                      "verification", "decision", "entropy_probe"}
+    assert set(r) >= {"pools", "n_pairs", "dim", "null_level", "cos_in", "cos_out", "frac_fired", "contrib_mean",
+                      "flags", "verification", "decision", "entropy_probe"}
     assert set(r["cos_in"]) == {"vanilla", "projected"} and len(r["cos_in"]["vanilla"]) == 3
-    assert all(o < i for i, o, f in zip(r["cos_in"]["projected"], r["cos_out"]["projected"], r["frac_fired"]["projected"]) if f)
+    projected = zip(r["cos_in"]["projected"], r["cos_out"]["projected"], r["frac_fired"]["projected"])
+    assert all(o < i for i, o, f in projected if f)
     assert r["pools"]["teacher"]["hack_rate"] == 1.0 and r["n_pairs"] == 8
     assert {row["verdict"] for row in r["verification"]} <= {"success", "likely fail", "sneaky fail"}
     assert r["decision"]["recommendation"] in ("launch Phase 3", "skip Phase 3", "STOP (bug)")
@@ -35,11 +51,11 @@ def test_phase2_template_on_tiny_policy(pools, tmp_path):
 
 
 @pytest.mark.parametrize("arm", ["vanilla", "projected"])
-def test_train_template_smoke(arm, pools, tmp_path):
+def test_train_template_smoke(arm, labelled, tmp_path):
     run = tmp_path / "phase3" / f"0-{arm}"
-    extra = dict(teacher_pool=pools[0], base_pool=pools[1]) if arm != "vanilla" else {}
-    out = run_notebook("train", run, dict(seed=0, arm=arm, steps=3, preset="smoke", **extra), log_path=tmp_path / "LOG.md",
-                       raise_on_error=True)
+    extra = dict(teacher_pool=labelled[0], base_pool=labelled[1]) if arm != "vanilla" else {}
+    out = run_notebook("train", run, dict(seed=0, arm=arm, steps=3, preset="smoke", **extra),
+                       log_path=tmp_path / "LOG.md", raise_on_error=True)
     m = json.loads((run / "metrics.json").read_text())
     assert out["status"] == "ok" and m["status"] == "ok"
     assert {"hack_rate", "gt_pass_rate", "reward_mean", "entropy_rb"} <= set(m["results"])

@@ -1,7 +1,16 @@
-"Tasks for training tests: rewards a random tiny policy already earns some of, so a few steps can raise them."
+"Tasks and pools for tests: rewards a random tiny policy already earns some of, and replay pools of its own samples."
+import gzip, json
+from pathlib import Path
+
 import torch
 
+from entropy_grpo.policies import tiny_policy
+from entropy_grpo.pools import build_pool
+from entropy_grpo.sequence_processor import GenerationConfig
 from entropy_grpo.tasks import ArithmeticTask, GradedBatch
+
+# 3 < G: several teacher-forcing batches
+POOL_GEN = GenerationConfig(max_new_tokens=6, temperature=1.0, tf_batch_size=3)
 
 
 class DigitTask(ArithmeticTask):
@@ -11,15 +20,19 @@ class DigitTask(ArithmeticTask):
         return GradedBatch(torch.tensor([[r["reward"] for r in row] for row in recs]), recs)
 
 
+def tiny_pools(policy, root):
+    """A teacher (hint) and a base pool of `policy`'s own samples under `root`, 2 steps × 4 samples in groups of G=2,
+    POOL_GEN sampling. The tiny policy earns no reward: every record scores 0."""
+    root, task = Path(root), ArithmeticTask(20)
+    teacher = build_pool(policy, task, True, 2, 4, root/"teacher", G=2, config=POOL_GEN)
+    base = build_pool(policy, task, False, 2, 4, root/"base", G=2, config=POOL_GEN, base_only=True)
+    return teacher, base
+
+
 def labelled_pools(root, steps=3, batch=4, seed=0, max_new_tokens=6):
-    """A teacher and a base pool from the tiny policy's real samples (hint / no hint, same problems), with labels set by
-    hand: every teacher sample hacked (reward 3.5), every base sample clean (reward 0.25). The tiny policy never hacks on
-    its own; this gives the Phase-2 plumbing groups with real reward variance and (hack, clean) pairs."""
-    import gzip, json
-    from pathlib import Path
-    from entropy_grpo.pools import build_pool
-    from entropy_grpo.policies import tiny_policy
-    from entropy_grpo.sequence_processor import GenerationConfig
+    """A teacher and a base pool from the tiny policy's real samples (hint / no hint, same problems), with labels set
+    by hand: every teacher sample hacked (reward 3.5), every base sample clean (reward 0.25). The tiny policy never
+    hacks on its own; this gives the Phase-2 plumbing groups with real reward variance and (hack, clean) pairs."""
     policy, task = tiny_policy(seed), ArithmeticTask(seed=seed)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens)
     dirs = []

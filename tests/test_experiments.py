@@ -1,10 +1,11 @@
-"Phase-3 sweeps through submitit's LocalExecutor: killed and resumed, failing jobs, refused directories, the CLI."
+"""experiments: the Phase-3 cost ceiling on synthetic hack-rate curves; sweeps through submitit's LocalExecutor
+(killed and resumed, failing jobs, the ceiling, refused directories, bad input) and the CLI."""
 import json, os, signal, subprocess, sys, time
 
 import pytest
 
-from entropy_grpo.experiments import _sweep_spec, check_sweep_spec, main, make_executor, run_status, run_sweep
-from toy_tasks import labelled_pools
+from entropy_grpo.experiments import (_sweep_spec, check_sweep_spec, hack_rate_separation, main, make_executor,
+                                      run_status, run_sweep)
 
 SEEDS, ARMS, STEPS = [0, 1], ["vanilla", "projected"], 2
 
@@ -15,13 +16,14 @@ def log_lines(root, run):
 
 
 @pytest.mark.slow
-def test_killed_sweep_resumes_without_redoing_or_double_counting(tmp_path):
-    pools = labelled_pools(tmp_path / "pools", steps=2, batch=4)
-    params = dict(preset="smoke", teacher_pool=pools[0], base_pool=pools[1])
-    args = dict(template="train", seeds=SEEDS, arms=ARMS, steps=STEPS, exp="p3", out_root=str(tmp_path), params=params, force=True)
+def test_killed_sweep_resumes_without_redoing_or_double_counting(labelled, tmp_path):
+    params = dict(preset="smoke", teacher_pool=labelled[0], base_pool=labelled[1])
+    args = dict(template="train", seeds=SEEDS, arms=ARMS, steps=STEPS, exp="p3", out_root=str(tmp_path), params=params,
+                force=True)
     exp = tmp_path / "p3"
     code = f"from entropy_grpo.experiments import run_sweep; run_sweep(**{args!r})"
-    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 900
         while not log_lines(tmp_path, "0-vanilla"):                # the job's last act: its LOG line
@@ -36,7 +38,8 @@ def test_killed_sweep_resumes_without_redoing_or_double_counting(tmp_path):
     mtimes = {r: (exp / r / "report.ipynb").stat().st_mtime_ns for r in done}
 
     out = run_sweep(**args)
-    assert sorted(out["skipped"]) == done and sorted(x["run"] for x in out["ran"]) == sorted(set(out["plan"]) - set(done))
+    assert sorted(out["skipped"]) == done
+    assert sorted(x["run"] for x in out["ran"]) == sorted(set(out["plan"]) - set(done))
     assert all(x["status"] == "ok" for x in out["ran"])
     assert all((exp / r / "report.ipynb").stat().st_mtime_ns == t for r, t in mtimes.items())
     for r in out["plan"]: assert sum("| ok |" in l for l in log_lines(tmp_path, r)) == 1, log_lines(tmp_path, r)
@@ -49,9 +52,21 @@ def test_killed_sweep_resumes_without_redoing_or_double_counting(tmp_path):
     assert again["ran"] == [] and sorted(again["skipped"]) == sorted(out["plan"]) and again["summary"]["n_runs"] == 4
 
 
+def test_cost_ceiling_separation():
+    rising = [[0.0] * 5 + [0.1] * 10 + [0.5] * 5, [0.05] * 15 + [0.4] * 5, [0.0] * 15 + [0.6] * 5]
+    flat = [[0.02] * 20, [0.03] * 20, [0.01] * 19 + [0.05]]
+    assert hack_rate_separation(rising)["separated"]
+    assert not hack_rate_separation(flat)["separated"]
+    noisy = [[0.0] * 15 + [0.9] * 5, [0.3] * 15 + [0.0] * 5, [0.0] * 20]       # mean rise > 0.1 but not > 2 SE
+    assert not hack_rate_separation(noisy)["separated"]
+    with pytest.raises(ValueError, match="no hack-rate curves"):
+        hack_rate_separation([])
+
+
 def test_failing_job_leaves_report_and_log_line_and_the_sweep_goes_on(tmp_path):
     "The projected arm without pools fails inside its notebook; the vanilla run after it still runs."
-    out = run_sweep("train", [0], ["projected", "vanilla"], 1, exp="p3", out_root=tmp_path, params=dict(preset="smoke"), force=True)
+    out = run_sweep("train", [0], ["projected", "vanilla"], 1, exp="p3", out_root=tmp_path, params=dict(preset="smoke"),
+                    force=True)
     assert [(x["run"], x["status"]) for x in out["ran"]] == [("0-projected", "failed"), ("0-vanilla", "ok")]
     failed = tmp_path / "p3" / "0-projected"
     m = json.loads((failed / "metrics.json").read_text())
@@ -71,7 +86,8 @@ def test_cost_ceiling_stops_the_other_arms_without_force(tmp_path):
 
 def test_sweep_refuses_a_directory_made_with_other_parameters(tmp_path):
     check_sweep_spec(tmp_path / "p3", _sweep_spec("train", 2, dict(preset="smoke", k=1)))
-    with pytest.raises(ValueError, match=r"other parameters \(params.k: existing 1 vs requested 2; steps: existing 2 vs requested 3\)"):
+    msg = r"other parameters \(params.k: existing 1 vs requested 2; steps: existing 2 vs requested 3\)"
+    with pytest.raises(ValueError, match=msg):
         run_sweep("train", [0], ["vanilla"], 3, exp="p3", out_root=tmp_path, params=dict(preset="smoke", k=2))
     assert sorted(p.name for p in (tmp_path / "p3").iterdir()) == ["sweep.json"]
 
@@ -84,7 +100,8 @@ def test_bad_sweep_input(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="executor='ssh': expected 'local' or 'slurm'"): make_executor("ssh", tmp_path)
     with pytest.raises(ValueError, match="unknown parameter 'seeds' for train \\(did you mean 'seed'\\?\\)"):
         run_sweep("train", [0], ["vanilla"], 1, out_root=tmp_path, params=dict(seeds=3))
-    with pytest.raises(ValueError, match="steps=0: expected >= 1"): run_sweep("train", [0], ["vanilla"], 0, out_root=tmp_path)
+    with pytest.raises(ValueError, match="steps=0: expected >= 1"):
+        run_sweep("train", [0], ["vanilla"], 0, out_root=tmp_path)
 
 
 def test_cli_help_and_dry_run(tmp_path, capsys, monkeypatch):
@@ -94,6 +111,7 @@ def test_cli_help_and_dry_run(tmp_path, capsys, monkeypatch):
     assert all(c in text for c in ("demo", "probe", "sweep", "report", "pools"))
     with pytest.raises(SystemExit): main(["sweep", "--help"])
     assert "--dry-run" in capsys.readouterr().out
-    assert main(["sweep", "--exp", "p3", "--seeds", "0", "1", "--arms", "vanilla", "--steps", "2", "--dry-run", "-p", "preset='smoke'"]) == 0
+    assert main(["sweep", "--exp", "p3", "--seeds", "0", "1", "--arms", "vanilla", "--steps", "2", "--dry-run",
+                 "-p", "preset='smoke'"]) == 0
     assert "sweep p3: 2 runs, 0 done, 2 to run: ['0-vanilla', '1-vanilla']" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="-p 'preset': expected name=value"): main(["probe", "-p", "preset"])

@@ -1,0 +1,113 @@
+"""training: TrainConfig checks its knobs, LoRA training raises a learnable reward, a resumed run is bitwise the
+uninterrupted one, non-finite rewards stop before any update, and 2 processes (gloo) equal 1 process."""
+import copy, json, math, os, shutil
+
+import pytest
+import torch
+
+from entropy_grpo.dr_grpo import policy_gradient_backward
+from entropy_grpo.policies import tiny_policy
+from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor
+from entropy_grpo.training import TrainConfig, latest_checkpoint, train
+from gloo import gloo_group, spawn_two
+from toy_tasks import DigitTask
+
+
+def _cfg(**kw):
+    base = dict(steps=30, prompts_per_step=4, num_generations=8, lora_r=8, lr=1e-2,
+                generation=GenerationConfig(max_new_tokens=8))
+    return TrainConfig(**(base | kw))
+
+
+def test_lora_training_raises_reward(fresh_tiny):
+    model, tok = fresh_tiny
+    res = train(model, tok, DigitTask(64), _cfg(), progress=False)
+    r = [rec["reward_mean"] for rec in res.records]
+    before, after = sum(r[:5]) / 5, sum(r[-5:]) / 5
+    print(f"digit-share reward: first 5 steps {before:.3f}, last 5 steps {after:.3f}")
+    assert after > before + 0.05
+    assert all(rec["arm"] == "vanilla" and rec["n_completions"] == 32 and 0 <= rec["clip_frac"] <= 1
+               for rec in res.records)
+    trained = {n for n, p in res.model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+
+
+def test_resume_is_bitwise_the_uninterrupted_run(tiny, tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    cfg = _cfg(steps=4, checkpoint_every=2)
+    a = train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=full, progress=False)
+    shutil.copytree(full, part)
+    shutil.rmtree(part / "checkpoints" / "step_000004")
+    assert latest_checkpoint(part).name == "step_000002"
+    b = train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=part, resume_from=latest_checkpoint(part),
+              progress=False)
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+    strip = lambda rec: {k: v for k, v in rec.items() if not k.startswith("time_")}
+    logs = [[strip(json.loads(l)) for l in (d / "log.jsonl").read_text().splitlines()] for d in (full, part)]
+    assert logs[0] == logs[1] and [r["step"] for r in logs[1]] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="lr=0.01 \\(now 0.02\\)"):
+        train(*copy.deepcopy(tiny), DigitTask(64), _cfg(steps=4, checkpoint_every=2, lr=2e-2), out_dir=part,
+              resume_from=part / "checkpoints" / "step_000002", progress=False)
+    with pytest.raises(ValueError, match="log.jsonl exists"):
+        train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=part, progress=False)
+
+
+def test_bad_config_and_non_finite_rewards(fresh_tiny):
+    with pytest.raises(ValueError, match="prompts_per_step=0: expected an integer >= 1"):
+        TrainConfig(prompts_per_step=0)
+    with pytest.raises(ValueError, match="length_norm='mean': expected one of"):
+        TrainConfig(length_norm="mean")
+
+    class NaNTask(DigitTask):
+        def grade_batch(self, responses, problems):
+            out = super().grade_batch(responses, problems); out.rewards[0, 0] = math.nan; return out
+    model, tok = fresh_tiny
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(FloatingPointError, match="step 0: the rewards contain NaN"):
+        train(model, tok, NaNTask(8), _cfg(steps=1, lora_r=None), progress=False)
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+
+
+# ---------------------------------------------------------------- 2 processes
+
+class _Keep:
+    "Saves this rank's step-0 batch, advantages and the (already all-reduced) gradients."
+    def __init__(self, path): self.path = path
+
+    def on_after_backward(self, ctx):
+        if ctx.step == 0:
+            torch.save(dict(batch=ctx.batch, adv=ctx.advantages, rewards=ctx.rewards,
+                            grads={n: p.grad.clone() for n, p in ctx.model.named_parameters()}), self.path)
+
+
+def _worker(rank, world, port, out_dir):
+    with gloo_group(rank, world, port):
+        model, tok = tiny_policy(0, dtype=torch.float64)
+        res = train(model, tok, DigitTask(64), _cfg(steps=2, lora_r=None, lr=1e-3), progress=False,
+                    callbacks=[_Keep(os.path.join(out_dir, f"step0_rank{rank}.pt"))])
+        torch.save(dict(params=dict(res.model.named_parameters()), records=res.records),
+                   os.path.join(out_dir, f"final_rank{rank}.pt"))
+
+
+def test_two_processes_reduce_gradients_and_means(fresh_tiny64, tmp_path):
+    spawn_two(_worker, str(tmp_path))
+    fin = [torch.load(tmp_path / f"final_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for n, p in fin[0]["params"].items(): assert torch.equal(p, fin[1]["params"][n]), n     # ranks stay in sync
+    untimed = lambda recs: [{k: v for k, v in r.items() if not k.startswith("time_")} for r in recs]
+    # every logged mean is global
+    assert untimed(fin[0]["records"]) == untimed(fin[1]["records"])
+    s0 = [torch.load(tmp_path / f"step0_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert s0[0]["batch"].shape[:2] == (2, 8) and s0[1]["batch"].shape[:2] == (2, 8)
+    # one process: the gradient of the global loss is the sum of each rank's part, normalised by all 4 prompts
+    model, tok = fresh_tiny64
+    sp = SequenceProcessor(model, tok, _cfg().generation, progress=False)
+    model.zero_grad()
+    for s in s0: policy_gradient_backward(sp, s["batch"], s["adv"], num_prompts=4)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(s0[0]["grads"][n], p.grad, rtol=1e-10, atol=1e-14)
+    rewards = torch.cat([s["rewards"] for s in s0])
+    rec = fin[0]["records"][0]
+    assert rec["reward_mean"] == pytest.approx(float(rewards.double().mean()), rel=1e-12)
+    assert rec["reward_std"] == pytest.approx(float(rewards.double().std()), rel=1e-9)
+    assert rec["n_completions"] == 32 and fin[1]["records"][0]["reward_mean"] == rec["reward_mean"]
