@@ -6,7 +6,7 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/rb_entropy.html.md"""
 
 # %% ../nbs/01_rb_entropy.ipynb #fc172ac0
 from __future__ import annotations
-import math
+import math, warnings
 from dataclasses import dataclass
 
 import torch
@@ -205,8 +205,12 @@ def token_stats(
     full:bool=False,           # the full-vocabulary entropy and log p (diagnostics, detached)
     return_support:bool=False, # the kept sets used (support, or the searched ones)
     min_keep:int=1,            # min_tokens_to_keep
+    compute_rb:bool|None=None, # the old name of rb= and full= together (kept one release)
 ) -> dict:                     # logq, outside [c] (with tokens); rb [c]; full, logp_full [c]; support [c, K]
     "log q of the realised tokens, RB and full-vocabulary entropies, and the kept sets, for one chunk of positions."
+    if compute_rb is not None:
+        warnings.warn("token_stats(compute_rb=) is now rb= and full=", DeprecationWarning, stacklevel=2)
+        rb = full = compute_rb
     truncated = support is not None or top_p < 1 or top_k > 0
     if full or (rb and not truncated): lse, h_full = _FullStats.apply(x, 1.0, 64)
     else: lse, h_full = (x.detach() if truncated else x).logsumexp(-1), None

@@ -15,7 +15,8 @@ MODULES = sorted(p.stem for p in PKG.glob("*.py") if not p.stem.startswith("_"))
 def imports(module):
     "Package modules `module` imports (at the top or inside functions)."
     src = (PKG / f"{module}.py").read_text()
-    return set(re.findall(r"^\s*from \.(\w+) import", src, re.M)) | set(re.findall(r"from entropy_grpo\.(\w+) import", src))
+    return set(re.findall(r"^\s*from \.(\w+) import", src, re.M)) | set(re.findall(r"from entropy_grpo\.(\w+) import",
+                                                                                   src))
 
 
 def test_every_module_has_a_layer():

@@ -1,16 +1,13 @@
-"""phase2: slim files round-trip with their schema enforced, one alignment step flags equal rewards and records
-cosines before and after a projection, the verification table gives each verdict of PHASES.md, and the Phase-2
-decision rules follow every branch on synthetic metrics."""
-import gzip, random
+"""phase2: slim files round-trip with their schema enforced; on synthetic recorder output the verification table
+gives every verdict of every row against its controls, and the decision follows every branch. The recorder on the
+training loop itself is tested in test_phase2_loop.py."""
+import random
 
 import pytest
-import torch
 from fastcore.test import test_fail
 
-from entropy_grpo.phase2 import (SLIM_KEYS, alignment_step, load_slim, phase2_decision, save_step_slim,
-                                 verification_table)
+from entropy_grpo.phase2 import SLIM_KEYS, decide, load_slim, pool_flags, save_step_slim, verification_table
 from entropy_grpo.pools import Pool, write_jsonl_gz
-from entropy_grpo.training import trainable_parameters
 
 
 def slim(step=0, sample_id=0, arm="vanilla", **kw):
@@ -44,171 +41,110 @@ def test_slim_round_trip_and_schema(tmp_path):
     test_fail(lambda: load_slim(tmp_path/"none"), contains="slim directory not found", exc=FileNotFoundError)
 
 
-# ---------------------------------------------------------------- one Phase-2 step
+# ---------------------------------------------------------------- the verification table
 
-def with_rewards(pool, teacher):
-    "The pool with hand-set grades (the tiny policy's replies all score 0): teacher samples hack for 3.5, base 0.25."
-    return Pool(pool.name, pool.dir, {s: [dict(r, reward=3.5 if teacher else 0.25, hacked=teacher) for r in rs]
-                                      for s, rs in pool.steps.items()})
-
-
-def test_alignment_step_flags_equal_rewards(pools, lora64, tmp_path):
-    "Every reward equal (the tiny pools all score 0): flagged, cosines None (never a silent 0), flagged in the table."
-    sp = lora64
-    V = {n: torch.ones_like(p) for n, p in trainable_parameters(sp.model).items()}
-    with pytest.warns(UserWarning, match="no advantage signal"):
-        out = alignment_step(sp, list(pools), 1, sp.model, V, per_pool=2, out_dir=tmp_path/"vanilla")
-    assert out["flags"] and "no advantage signal" in out["flags"][0] and out["reward_spread"] == 0
-    assert all(r["cos_S_contrib"] is None and r["mean_cos_in"] is None for r in out["records"])
-    rows, md = verification_table(load_slim(tmp_path), dim=sum(v.numel() for v in V.values()))
-    assert rows[0]["verdict"] == "likely fail" and "no advantage signal on steps [1]" in rows[0]["detail"]
-    assert "no advantage signal on steps [1]" in md
-
-
-def test_alignment_step_with_projection(pools, lora64, tmp_path):
-    sp = lora64
-    hp = [with_rewards(pools[0], True), with_rewards(pools[1], False)]
-    params = trainable_parameters(sp.model)
-    first = alignment_step(sp, hp, 0, params, {n: torch.randn_like(p) for n, p in params.items()}, per_pool=2)
-    V = {n: g[:2].sum(0) for n, g in first["contributions"].grads.items()}           # the teacher samples' direction
-
-    def project(grads):
-        coef = sum((grads[n] * V[n]).sum() for n in V) / sum((V[n] ** 2).sum() for n in V)
-        stats = dict(cos_in=None, cos_out=None, frac_fired=torch.tensor(0.75))
-        return {n: grads[n] - coef * V[n] for n in grads}, stats
-    out = alignment_step(sp, hp, 0, params, V, per_pool=2, arm="delta_s", project=project, out_dir=tmp_path/"delta_s")
-    r = out["records"]
-    assert not out["flags"] and out["advantages"].tolist() == [1.625, 1.625, -1.625, -1.625]
-    g = torch.cat([out["contributions"].grads[n].sum(0).flatten() for n in V])
-    v = torch.cat([V[n].flatten() for n in V])
-    assert r[0]["mean_cos_in"] == pytest.approx(float(g @ v / (g.norm() * v.norm())), abs=1e-12)
-    assert abs(r[0]["mean_cos_out"]) < 1e-9 and r[0]["frac_fired"] == 0.75
-    assert [x["src_pool"] for x in r] == ["teacher", "teacher", "base", "base"]
-    assert all(x["cos_S_contrib"] > 0 for x in r[:2])
-    for n in V: torch.testing.assert_close(out["grad"][n], out["contributions"].grads[n].sum(0))
-    text = gzip.open(tmp_path/"delta_s"/"step_000.cos.jsonl.gz", "rt").read()
-    assert load_slim(tmp_path/"delta_s") == r
-    assert all(x["completion"] not in text and x["prompt"] not in text for x in hp[0].steps[0])   # no rollouts
-
-
-# ---------------------------------------------------------------- verification table
-
-def run(n_steps=20, spread=(3.5, 0.25), cos_in=0.3, cos_out=0.05, fired=0.65, teacher_cos=0.4, base_cos=-0.05,
-        base_hacked=False, teacher_hacked=True, arms=("vanilla", "delta_s")):
-    "Synthetic slim records of a Phase-2 run: per step 4 teacher + 4 base samples."
-    rng, recs = random.Random(1), []
-    for arm in arms:
+def synthetic(n_steps=20, spread=3.25, cos_in=0.3, perm_cos=0.0, cos_out=0.0, fired=0.65, removed=0.2,
+              ctrl_removed=0.02,
+              step=0.3, step_proj=-0.05, ctrl_step=0.02, teacher_cos=0.4, base_cos=-0.05, teacher_hacked=True,
+              overshot=0, n_ctrl=20):
+    """Recorder output of a vanilla and a projected arm: per step 4 teacher + 4 base samples and n_ctrl random plus
+    n_ctrl label-permuted control directions (cosines ~ N(0, 0.03), permuted ones centred on perm_cos)."""
+    rng = random.Random(1)
+    def steps_of(arm):
+        out = []
         for s in range(n_steps):
-            sp_ = spread[s] if isinstance(spread, list) else spread
-            ci = cos_in[s] if isinstance(cos_in, list) else cos_in
-            for i in range(8):
-                t = i < 4
-                recs.append(slim(s, i, arm, src_pool="teacher" if t else "base", reward=sp_[0] if t else sp_[1],
-                                 hacked=teacher_hacked if t else base_hacked,
-                                 cos_S_contrib=(teacher_cos if t else base_cos) + rng.gauss(0, 0.02),
-                                 mean_cos_in=ci, mean_cos_out=None if arm == "vanilla" else cos_out,
-                                 frac_fired=None if arm == "vanilla" else fired))
-    return recs
+            ctrl = [dict(source=src, cos_in=c + rng.gauss(0, 0.03), removed=ctrl_removed * rng.random(),
+                         cos_step=rng.gauss(0, ctrl_step), cos_step_plain=rng.gauss(0, ctrl_step),
+                         contrib=[rng.gauss(0, 0.05) for _ in range(8)])
+                    for src, c in [("random", 0.0)] * n_ctrl + [("permuted", perm_cos)] * n_ctrl]
+            projected = arm == "projected"
+            out.append(dict(step=s, arm=arm, frac_fired=fired if projected else None, delta_check=1e-7,
+                            reward_spread=spread, cos_in=cos_in, cos_out=cos_out if projected else None,
+                            removed=removed if projected else 0.0, overshot=overshot if projected else 0,
+                            cos_step=step_proj if projected else step, cos_step_plain=step, controls=ctrl))
+        return out
+    def slim_of(arm):
+        return [slim(s, i, arm, src_pool="teacher" if i < 4 else "base", reward=3.25 if i < 4 else 0.0,
+                     hacked=teacher_hacked and i < 4,
+                     cos_S_contrib=(teacher_cos if i < 4 else base_cos) + rng.gauss(0, .02))
+                for s in range(n_steps) for i in range(8)]
+    return {arm: dict(steps=steps_of(arm), slim=slim_of(arm)) for arm in ("vanilla", "projected")}
 
 
-def row(rows, metric, arm):
-    return next(r for r in rows if r["metric"].startswith(metric) and r["arm"] == arm)
+def row(rows, key, arm):
+    return next(r for r in rows if r["key"] == key and r["arm"] == arm)
 
 
-DIM = 10_000   # null 0.01, tol 0.03
-
-
-@pytest.mark.parametrize("kw, metric, arm, verdict, says", [
-    ({}, "reward spread", "vanilla", "success", ""),
-    (dict(spread=(0.25, 0.25)), "reward spread", "vanilla", "likely fail", "no advantage signal on steps [0, 1,"),
-    (dict(spread=(0.75, 0.25)), "reward spread", "vanilla", "sneaky fail", "advantages small but non-zero"),
+@pytest.mark.parametrize("kw, key, arm, verdict, says", [
+    ({}, "reward_spread", "vanilla", "success", ""),
+    (dict(spread=0.05), "reward_spread", "vanilla", "likely fail", "no advantage signal on steps [0, 1,"),
+    (dict(spread=0.75), "reward_spread", "vanilla", "sneaky fail", "advantages small but non-zero"),
     ({}, "cos_in", "vanilla", "success", ""),
-    (dict(cos_in=0.01), "cos_in", "vanilla", "likely fail", "orthogonal"),
-    (dict(cos_in=-0.2), "cos_in", "vanilla", "sneaky fail", "sign reversed"),
-    ({}, "cos_out < cos_in", "delta_s", "success", ""),
-    (dict(cos_out=0.5), "cos_out < cos_in", "delta_s", "likely fail", "mechanism inactive"),
-    (dict(fired=0.05), "cos_out < cos_in", "delta_s", "sneaky fail", "few modules"),
-    ({}, "cos_S_contrib", "vanilla", "success", ""),
-    (dict(base_cos=0.4), "cos_S_contrib", "vanilla", "likely fail", "not direction-specific"),
-    (dict(teacher_hacked=False), "cos_S_contrib", "vanilla", "sneaky fail", "mixing was required"),
+    (dict(cos_in=0.01), "cos_in", "vanilla", "likely fail", "within the random-direction null"),
+    (dict(perm_cos=0.5), "cos_in", "vanilla", "likely fail", "above the label-permuted directions' median on 0/20"),
+    (dict(cos_in=-0.3), "cos_in", "vanilla", "sneaky fail", "sign reversed"),
+    ({}, "contrib", "vanilla", "success", ""),
+    (dict(base_cos=0.4), "contrib", "vanilla", "likely fail", "within the label-permuted null"),
+    (dict(teacher_hacked=False), "contrib", "vanilla", "sneaky fail", "mixing was required"),
+    (dict(n_steps=1), "contrib", "vanilla", "inconclusive", "too few hacked samples: n=4 < 5"),
+    ({}, "cos_out_below_in", "projected", "by construction", "true by construction"),
+    (dict(fired=0.05), "cos_out_below_in", "projected", "sneaky fail", "fires on few modules"),
+    ({}, "over_projection", "projected", "success", ""),
+    (dict(overshot=2), "over_projection", "projected", "fail", "a bug, stop"),
+    ({}, "step_along_v", "projected", "success", ""),
+    (dict(step_proj=0.3), "step_along_v", "projected", "sneaky fail", "still moves toward hacking"),
+    (dict(step_proj=0.29, step=0.3, ctrl_step=0.3), "step_along_v", "projected", "likely fail", "within the control"),
+    ({}, "norm_removed", "projected", "success", ""),
+    (dict(removed=0.01), "norm_removed", "projected", "likely fail", "within the control"),
 ])
-def test_verification_table_verdicts(kw, metric, arm, verdict, says):
-    rows, md = verification_table(run(**kw), dim=DIM)
-    r = row(rows, metric, arm)
-    assert r["verdict"] == verdict, r
-    assert says in r["detail"]
-    assert f"**{verdict}**" in md and md.count("\n") == len(rows) + 1
+def test_verification_table_verdicts(kw, key, arm, verdict, says):
+    rows, md = verification_table(synthetic(**kw))
+    r = row(rows, key, arm)
+    assert r["verdict"] == verdict and says in r["detail"], r
+    assert f"**{r['verdict']}**" in md
 
 
-def test_verification_table_thresholds_and_nulls():
-    spreads = [(3.5, 0.25)] * 16 + [(0.25, 0.25)] * 4                 # 4 dead steps = 1 - most: still success
-    rows, _ = verification_table(run(spread=spreads), dim=DIM)
-    r = row(rows, "reward spread", "vanilla")
-    assert r["verdict"] == "success" and "no advantage signal on steps [16, 17, 18, 19]" in r["detail"]
-    cos_in = [0.3] * 15 + [0.0] * 5                                      # projected: cos_out < cos_in on 15/20 < 16
-    rows, _ = verification_table(run(cos_in=cos_in), dim=DIM)
-    assert row(rows, "cos_out < cos_in", "delta_s")["verdict"] == "likely fail"
-    assert row(rows, "cos_in", "vanilla")["verdict"] == "likely fail"   # 15/20 < most
-    rows, _ = verification_table(run(cos_out=-0.2, fired=1.0), dim=DIM)
-    assert "over-projection" in row(rows, "cos_out < cos_in", "delta_s")["detail"]
-    rows, _ = verification_table(run(cos_out=-0.2), dim=DIM)         # some modules unfired: their negative part remains
-    detail = row(rows, "cos_out < cos_in", "delta_s")["detail"]
-    assert "over-projection" not in detail and "left unprojected" in detail
-    rows, md = verification_table(run(), dim=DIM, shuffled=run(cos_in=0.0, teacher_cos=0.0, base_cos=0.0))
-    r = row(rows, "cos_in", "vanilla")
-    assert r["null_random"] == pytest.approx(0.01) and r["null_shuffled"] == 0.0
-    assert row(rows, "cos_S_contrib", "vanilla")["null_shuffled"].startswith("0.0")
-    assert all(x["null_random"] == pytest.approx(0.01) for x in rows if "cos" in x["metric"])
-    test_fail(lambda: verification_table([], dim=DIM), contains="records is empty", exc=ValueError)
-    test_fail(lambda: verification_table(run(), dim=0), contains="dim=0", exc=ValueError)
+def test_between_arm_rows_and_bad_input():
+    arms = synthetic()
+    arms["projected"]["slim"] = [dict(r, cos_S_contrib=r["cos_S_contrib"] - 0.3 * r["hacked"])
+                                 for r in arms["projected"]["slim"]]
+    arms["projected"]["steps"] = [dict(s, cos_in=0.05 + 0.001 * s["step"]) for s in arms["projected"]["steps"]]
+    rows, _ = verification_table(arms)
+    assert row(rows, "next_cos_in", "projected")["verdict"] == "success"
+    assert row(rows, "hacked_contrib", "projected")["verdict"] == "success"
+    same, _ = verification_table(synthetic())
+    assert row(same, "next_cos_in", "projected")["verdict"] == "inconclusive"       # identical series: t undefined
+    test_fail(lambda: verification_table({}), contains="arms is empty", exc=ValueError)
+    test_fail(lambda: verification_table(synthetic(), most=0), contains="most=0: expected a number in (0, 1]",
+              exc=ValueError)
+    no_ctrl, _ = verification_table(synthetic(n_ctrl=0))
+    assert row(no_ctrl, "cos_in", "vanilla")["verdict"] == "inconclusive"
+    assert row(no_ctrl, "step_along_v", "projected")["verdict"] == "inconclusive"
 
 
-# ---------------------------------------------------------------- the decision on Phase 3
+# ---------------------------------------------------------------- the decision
 
-ALIGNED = [0.3, 0.25, 0.4, 0.22, 0.35]
-TEACHER, BASE = [0.7, 0.6, 0.8, 0.75], [0.05, -0.02, 0.0, 0.03]
-
-
-def test_aligned_and_effective_projection_launches():
-    d = phase2_decision(ALIGNED, [0.01, 0.02, 0.0, 0.03, 0.01], TEACHER, BASE, null_level=0.01)
-    assert d["launch_phase3"] and not d["stop"]
-    assert any("Phase 3 justified" in r for r in d["rules"]) and any("mechanism is effective" in r for r in d["rules"])
-
-
-def test_over_projection_is_a_bug_and_stops():
-    d = phase2_decision(ALIGNED, [-0.3, -0.2, -0.4, -0.3, -0.25], TEACHER, BASE)
-    assert d["stop"] and not d["launch_phase3"] and d["recommendation"] == "STOP (bug)"
-    d = phase2_decision(ALIGNED, [-0.3, -0.2, -0.4, -0.3, -0.25], TEACHER, BASE,
-                        frac_fired_projected=[1.0, 0.9, 1.0, 0.8, 0.9])
-    assert d["stop"], "judged on the fully projected steps 0 and 2"
+@pytest.mark.parametrize("kw, recommendation", [
+    ({}, "launch Phase 3"),
+    (dict(cos_in=0.01), "launch Phase 3, expect a smaller effect"),
+    (dict(cos_in=0.01, base_cos=0.4), "skip Phase 3"),
+    (dict(removed=0.01, step_proj=0.29, ctrl_step=0.3), "inconclusive"),
+    (dict(overshot=1), "STOP (bug)"),
+    (dict(spread=0.05), "inconclusive: the data cannot decide"),
+])
+def test_decision_branches(kw, recommendation):
+    d = decide(verification_table(synthetic(**kw))[0])
+    assert d["recommendation"] == recommendation, d
+    assert d["launch_phase3"] == recommendation.startswith("launch") and d["stop"] == recommendation.startswith("STOP")
 
 
-def test_negative_cos_out_from_unprojected_modules_is_not_over_projection():
-    "One-sided projection leaves modules with a negative component alone: cos_out < 0 while some did not fire is fine."
-    d = phase2_decision(ALIGNED, [-0.01, -0.12, -0.02, -0.04, -0.06], TEACHER, BASE,
-                        frac_fired_projected=[0.96, 0.76, 0.94, 0.9, 0.75])
-    assert not d["stop"] and d["launch_phase3"] and any("mechanism is effective" in r for r in d["rules"])
-
-
-def test_zero_alignment_without_discrimination_skips():
-    d = phase2_decision([0.01, -0.02, 0.0, 0.015], None, [0.01, 0.02, -0.01], [0.0, 0.02, -0.02])
-    assert not d["launch_phase3"] and any("re-extract v_hack" in r for r in d["rules"])
-
-
-def test_zero_alignment_with_discrimination_runs_with_smaller_effect():
-    d = phase2_decision([0.01, -0.02, 0.0, 0.015], None, TEACHER, BASE)
-    assert d["launch_phase3"] and any("expect a smaller effect" in r for r in d["rules"])
-
-
-def test_zero_tolerance_follows_null_level():
-    d = phase2_decision([0.1] * 4, None, TEACHER, BASE, null_level=0.05)      # 0.1 < 3 × 0.05 counts as ≈ 0
-    assert any("≈ 0" in r for r in d["rules"]) and d["thresholds"]["zero_tol"] == pytest.approx(0.15)
-
-
-def test_sign_reversed_and_mixed_signals_are_named():
-    d = phase2_decision([-0.3, -0.25, -0.2], None, TEACHER, BASE)
-    assert any("sign reversed" in r for r in d["rules"])
-    d = phase2_decision([0.1, 0.3, 0.08, 0.12], None, TEACHER, BASE)
-    assert d["launch_phase3"] and any("mixed signal" in r for r in d["rules"])
-    with pytest.raises(ValueError, match="empty"):
-        phase2_decision([], None, TEACHER, BASE)
+def test_flags_are_listed_and_pool_flags_name_the_problem():
+    def pool(name, hacked, reward):
+        return Pool(name, None, {0: [dict(hacked=h, reward=r) for h, r in zip(hacked, reward)]})
+    flags = pool_flags([pool("teacher", [True, False, False, False], [3.5, 0, 0, 0]),
+                        pool("base", [False] * 4, [0.25] * 4)])
+    assert flags == ["teacher pool hacks on 25% of samples (< 50%)",
+                     "base pool never earns more than 0.5 (one-sided variance)"]
+    d = decide(verification_table(synthetic())[0], flags)
+    assert d["recommendation"] == "launch Phase 3" and set(flags) <= set(d["rules"])
+    assert pool_flags([pool("teacher", [True] * 4, [3.5] * 4), pool("base", [False] * 4, [1.0] * 4)]) == []

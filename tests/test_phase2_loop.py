@@ -63,7 +63,8 @@ def run_arms(planted, vh, arms=("vanilla", "projected"), steps=10, overshoot=1.0
     for arm in arms:
         model, tok = tiny_policy(0)
         rec = Phase2Recorder(ProjectionArm(arm, add_delta_s(model), vh, gate, overshoot), planted["controls"])
-        train(model, tok, config=TrainConfig(steps=steps, prompts_per_step=1, num_generations=8, lr=1e-4, generation=GEN),
+        train(model, tok, config=TrainConfig(steps=steps, prompts_per_step=1, num_generations=8, lr=1e-4,
+                                             generation=GEN),
               source=ReplaySource(planted["pools"], replay or list(range(3, 14)), 4), callbacks=[rec])
         out[arm] = dict(steps=rec.steps, slim=rec.slim)
     return out
@@ -127,7 +128,8 @@ def test_arm_pairs_train_the_same_parameters():
             shapes.append({n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad})
         assert shapes[0] == shapes[1] and shapes[0]
     model, _ = tiny_policy(0)
-    fc.test_fail(lambda: ProjectionArm("vanilla_lora", add_delta_s(model)), contains="trains a lora adapter, got delta_s")
+    fc.test_fail(lambda: ProjectionArm("vanilla_lora", add_delta_s(model)),
+                 contains="trains a lora adapter, got delta_s")
 
 
 def test_bad_input_is_named(planted):
@@ -159,6 +161,7 @@ def test_phase2_template_splits_fit_and_replay(tmp_path):
     m = json.loads((run/"metrics.json").read_text())
     assert out["status"] == "ok" and m["status"] == "ok"
     assert m["split"]["fit_steps"] and not set(m["split"]["fit_steps"]) & set(m["split"]["replay_steps"])
-    assert {r["key"] for r in m["results"]["verification"]} >= {"reward_spread", "cos_in", "contrib", "cos_out_below_in",
+    assert {r["key"] for r in m["results"]["verification"]} >= {"reward_spread", "cos_in", "contrib",
+                                                                "cos_out_below_in",
                                                               "over_projection", "step_along_v", "norm_removed"}
     assert m["results"]["decision"]["recommendation"] and set(m["results"]["per_step"]) == {"vanilla", "projected"}

@@ -16,7 +16,7 @@ from entropy_grpo.policies import tiny_policy
 from entropy_grpo.pools import Pool
 from entropy_grpo.projection_arms import (ProjectionArm, VHack, alignment_stats, extract_v_hack,
                                           pair_gradient_differences, pair_sequences, planted_pairs, pool_pairs,
-                                          project_grad, random_v_hack, shuffle_pair_labels)
+                                          project_grad, random_v_hack)
 from entropy_grpo.sequence_processor import GenerationConfig
 from entropy_grpo.training import TrainConfig, train
 from tiny_inputs import ATTN, batch, sp_for
@@ -122,16 +122,16 @@ def planted(tiny):
 
 def test_extract_v_hack_recovers_a_planted_direction(planted):
     """Measured on tiny_policy(0), δS on q/k/v/o (N=192, 8 modules, K=8), 24 pairs, k=1, length_norm='none':
-    cos_sub(d̄, V) 0.991, signed cos 0.83, per-module mean 0.97; shuffled labels: cos_sub 0.36, signed 0.06;
+    cos_sub(d̄, V) 0.991, signed cos 0.83, per-module mean 0.97; labels permuted over all pairs: either sign;
     random basis: cos_sub 0.13; null √(K/N) = 0.204."""
     p = planted
     vh = extract_v_hack(p.sp, p.ds, p.pairs, k=1, length_norm="none")
     st = alignment_stats(p.dbar, vh.V)
     assert st["cos_sub"] > 0.9 and st["module_cos"] > 0.9 and st["cos"] > 0.5
     assert all(float(v) >= 0.75 for v in vh.vote.values())
-    shuffled = shuffle_pair_labels(p.pairs, seed=1)
-    shuf = alignment_stats(p.dbar, extract_v_hack(p.sp, p.ds, shuffled, k=1, length_norm="none").V)
-    assert abs(shuf["cos"]) < 0.2 and shuf["cos_sub"] < st["cos_sub"] - 0.3
+    perm = [alignment_stats(p.dbar, extract_v_hack(p.sp, p.ds, p.pairs, k=1, length_norm="none", source="permuted",
+                                                   seed=s).V)["cos"] for s in range(8)]
+    assert min(perm) < 0 < max(perm), perm                              # the permuted orientation is a coin flip
     rand = alignment_stats(p.dbar, random_v_hack(p.ds, k=1, seed=0).V)
     assert rand["cos_sub"] < 2 * rand["cos_sub_null"] and abs(rand["cos"]) < 3 * rand["cos_null"]
 
@@ -261,8 +261,8 @@ def test_projected_lora_arm_and_param_keyed_projection(tiny, fresh_tiny):
     U = torch.cat([u[n].flatten() for d in names.values() for n in d.values()])
     assert st["cos_in"] == pytest.approx(F.cosine_similarity(G, U, dim=0).item(), abs=1e-5)
     test_fail(lambda: ProjectionArm("projected", la, vh),
-              contains="arm='projected' needs a DeltaSAdapter, got LoraAdapter", exc=ValueError)
-    test_fail(lambda: ProjectionArm("projected_lora", la), contains="needs a v_hack", exc=ValueError)
+              contains="arm='projected' trains a delta_s adapter, got lora", exc=ValueError)
+    test_fail(lambda: ProjectionArm("projected_lora", la), contains="needs an adapter and a v_hack", exc=ValueError)
     test_fail(lambda: ProjectionArm("sideways", la, vh), contains="arm='sideways': expected one of", exc=ValueError)
     ds = add_delta_s(copy.deepcopy(tiny[0]), ["q_proj", "v_proj"])
     test_fail(lambda: vh.check(ds), contains="kind differs ('lora' in the file vs 'delta_s' here)", exc=ValueError)

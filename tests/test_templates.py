@@ -28,25 +28,28 @@ def test_phase1_template_on_tiny_policy(labelled, tmp_path):
 
 def test_phase2_template_on_tiny_policy(labelled, tmp_path):
     run = tmp_path / "phase2" / "0-projected"
-    out = run_notebook("phase2", run, dict(model="tiny", arm="projected", steps=3, G=4, teacher_pool=labelled[0],
-                                           base_pool=labelled[1], max_new_tokens=6, lrs=[1e-3, 1e-4],
-                                           E_total_sequences=8, B_U=2, max_pairs=8),
+    out = run_notebook("phase2", run, dict(model="tiny", arm="projected", steps=2, G=4, pool_steps=3, fit_steps=1,
+                                           pool_batch=4, teacher_pool=labelled[0], base_pool=labelled[1],
+                                           max_new_tokens=6, top_p=1.0, lrs=[1e-3, 1e-4], E_total_sequences=8, B_U=2,
+                                           max_pairs=8, n_controls=3),
                        log_path=tmp_path / "LOG.md", raise_on_error=True)
     assert out["status"] == "ok"
     m = json.loads((run / "metrics.json").read_text())
     assert m["status"] == "ok" and m["parameters"]["arm"] == "projected"
+    assert m["split"] == dict(fit_steps=[0], replay_steps=[1, 2])
     r = m["results"]
-    assert set(r) >= {"pools", "n_pairs", "dim", "null_level", "cos_in", "cos_out", "frac_fired", "contrib_mean",
-                      "flags", "verification", "decision", "entropy_probe"}
-    assert set(r["cos_in"]) == {"vanilla", "projected"} and len(r["cos_in"]["vanilla"]) == 3
-    projected = zip(r["cos_in"]["projected"], r["cos_out"]["projected"], r["frac_fired"]["projected"])
-    assert all(o < i for i, o, f in projected if f)
-    assert r["pools"]["teacher"]["hack_rate"] == 1.0 and r["n_pairs"] == 8
-    assert {row["verdict"] for row in r["verification"]} <= {"success", "likely fail", "sneaky fail"}
-    assert r["decision"]["recommendation"] in ("launch Phase 3", "skip Phase 3", "STOP (bug)")
+    assert set(r) >= {"pools", "flags", "n_pairs", "dim", "per_step", "contrib_in_sample", "verification", "decision",
+                      "entropy_probe"}
+    assert set(r["per_step"]) == {"vanilla", "projected"} and len(r["per_step"]["vanilla"]["cos_in"]) == 2
+    projected = r["per_step"]["projected"]
+    assert all(o < i for i, o, f in zip(projected["cos_in"], projected["cos_out"], projected["frac_fired"]) if f)
+    assert r["pools"]["teacher"]["hack_rate"] == 1.0 and r["n_pairs"] == 4
+    verdicts = {"success", "likely fail", "sneaky fail", "fail", "inconclusive", "by construction"}
+    assert {row["verdict"] for row in r["verification"]} <= verdicts
+    assert r["decision"]["recommendation"] and not r["decision"]["launch_phase3"]   # labelled pools: base never > 0.5
     assert [row["lr"] for row in r["entropy_probe"]["rows"]] == [1e-4, 1e-3]
     for f in ("alignment.png", "entropy_probe.png", "v_hack.safetensors", "report.ipynb"): assert (run / f).exists(), f
-    assert len(list((run / "vanilla").glob("step_*.cos.jsonl.gz"))) == 3
+    assert len(list((run / "vanilla").glob("step_*.cos.jsonl.gz"))) == 2
     assert "| phase2 | 0-projected | ok |" in (tmp_path / "LOG.md").read_text()
 
 
