@@ -109,6 +109,7 @@ def check_signature(
             raise ValueError(f"{what} was made for {brief(found)}, but this adapter is {brief(expected)}: "
                              f"{k} differs ({found.get(k)!r} in the file vs {expected.get(k)!r} here)")
 
+# %% ../nbs/05a_adapters.ipynb #72aa872c
 class Adapter:
     "Trainable parameters grouped per targeted module; subclasses fill `module_params`, `_settings` and `zeroed`."
     kind = "adapter"
@@ -242,6 +243,7 @@ class DeltaSAdapter(Adapter):
         try: yield self.model
         finally: self._zeroed = saved
 
+# %% ../nbs/05a_adapters.ipynb #ea767833
 def add_delta_s(
     model:nn.Module,
     target_modules:str|list|tuple=("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -307,6 +309,7 @@ class LoraAdapter(Adapter):
 
     def _adopt(self, meta): self.init_hash = meta["init_hash"]   # the loaded A defines the LoRA basis now
 
+# %% ../nbs/05a_adapters.ipynb #ccc9bd7e
 def add_lora(
     model:nn.Module,
     target_modules:str|list|tuple=("q_proj", "k_proj", "v_proj", "o_proj"),

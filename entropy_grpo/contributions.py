@@ -94,6 +94,7 @@ def _linear_owners(model:nn.Module, params:dict[str, Tensor]) -> dict[str, tuple
     found = {n: owner.get(id(p)) for n, p in params.items()}
     return None if any(v is None for v in found.values()) else found
 
+# %% ../nbs/04b_contributions.ipynb #9541bb3f
 class _LinearGradHooks:
     "Per-row gradients of nn.Linear weights/biases from one backward (forward hook keeps x, output hook receives δ)."
     def __init__(self, owners:dict[str, tuple[nn.Module, str]], params:dict[str, Tensor], n_rows:int):
@@ -136,7 +137,7 @@ class _LinearGradHooks:
         if off: raise ValueError(f"method='hooks': layers saw {off} rows, expected {self.n_rows} each "
                                  "(activation checkpointing or a layer called twice?); use method='vmap'")
 
-# %% ../nbs/04b_contributions.ipynb #9541bb3f
+# %% ../nbs/04b_contributions.ipynb #2ba8c001
 @dataclass
 class Contributions:
     "Each sample's gradient of its own loss term over a parameter set; they add up to the batch gradient."
@@ -157,6 +158,7 @@ class Contributions:
         "[n, D] contributions, parameters concatenated in `grads` order."
         return torch.cat([g.flatten(1) for g in self.grads.values()], 1)
 
+# %% ../nbs/04b_contributions.ipynb #9304f54a
 def sample_contributions(
     sp:SequenceProcessor,      # scores with its model and sampling config
     seqs:BatchedSequences,     # [B, G, T], e.g. from `replay_batch`
@@ -258,6 +260,7 @@ def phase1_ttest(
     return dict(mean_pure_hack=w["mean_a"], mean_hack_correct=w["mean_b"], n_pure_hack=w["n_a"],
                 n_hack_correct=w["n_b"], t=w["t"], p=w["p"])
 
+# %% ../nbs/04b_contributions.ipynb #abcbe7a8
 def phase1_probe(
     sp:SequenceProcessor,      # the student policy (scores the teacher pool)
     pool:Pool,                 # the teacher pool

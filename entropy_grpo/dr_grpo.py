@@ -70,6 +70,7 @@ def _eps_pair(clip_eps):
         raise ValueError(f"clip_eps={clip_eps!r}: expected ε > 0 (or a pair (ε_low, ε_high) > 0)")
     return lo, hi
 
+# %% ../nbs/03_dr_grpo.ipynb #92b76c35
 def dr_grpo_loss(
     new_logp:Tensor,            # [B, G, T] log q under the current parameters (graph-carrying)
     old_logp:Tensor|None,       # [B, G, T] log q at sampling time; None -> new_logp.detach() (ratio ≡ 1)

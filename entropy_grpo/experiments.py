@@ -87,6 +87,7 @@ def log_run(log_path, exp:str, run:str, status:str, report, note:str=""):
         f.write(line)
         fcntl.flock(f, fcntl.LOCK_UN)
 
+# %% ../nbs/07_experiments.ipynb #1d336664
 def run_notebook(
     template:str,                # 'phase2', 'train' or a path
     run_dir,                     # runs/<exp>/<seed>-<arm>
@@ -134,6 +135,7 @@ def run_notebook(
             if v is None: os.environ.pop(k, None)
             else: os.environ[k] = v
 
+# %% ../nbs/07_experiments.ipynb #71f63b23
 def _rel(p):
     try: return str(Path(p).resolve().relative_to(repo_root()))
     except ValueError: return str(p)
@@ -179,6 +181,7 @@ def make_executor(kind:str, folder, slurm:dict|None=None):
         return ex
     raise ValueError(f"executor={kind!r}: expected 'local' or 'slurm'")
 
+# %% ../nbs/07_experiments.ipynb #de9b1b5f
 def run_sweep(
     template:str="train",
     seeds=(0, 1, 2),
@@ -296,6 +299,7 @@ def _kv(items) -> dict:
         except (ValueError, SyntaxError): out[k] = v
     return out
 
+# %% ../nbs/07_experiments.ipynb #34466c47
 def main(argv=None):
     "The `entropy-grpo` command."
     ap = argparse.ArgumentParser(prog="entropy-grpo", description="Measure and steer what one GRPO update does to a "

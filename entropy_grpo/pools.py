@@ -91,6 +91,7 @@ def _require(keys):
         if missing: raise ValueError(f"record lacks {missing}")
     return check
 
+# %% ../nbs/04a_pools.ipynb #24938d77
 def load_pool(
     pool_dir:str|os.PathLike,  # a directory of step_NNN.jsonl.gz files
     on_error:str="raise",      # "raise": ValueError naming file:line; "skip": load the rest, list it in Pool.skipped
@@ -117,6 +118,7 @@ def _eos_ids(sp:SequenceProcessor) -> set[int]:
     e = sp.eos_token_id
     return set(e) if isinstance(e, (list, tuple)) else {e}
 
+# %% ../nbs/04a_pools.ipynb #eee0b4b2
 def build_pool(
     policy,                    # (model, tokenizer) or a SequenceProcessor
     task,                      # a `tasks.Task` (sample / prompt / grade_batch)
@@ -167,6 +169,7 @@ def build_pool(
                  sum(r["hacked"] for r in records) / len(records))
     return load_pool(d)
 
+# %% ../nbs/04a_pools.ipynb #fe022ff4
 def _sample_fields(sp:SequenceProcessor, bs:BatchedSequences, b:int, g:int, grade:dict) -> dict:
     "The completion, its grades and the sampling settings of sample (b, g) of a generated batch."
     n, P, cfg = int(bs.gen_lens[b, g]), bs.prompt_lens[b], sp.config
@@ -191,6 +194,7 @@ def hack_demonstration(problem, rng:random.Random) -> str:
             from None
     return rng.choice(_HACK_TEMPLATES).format(gold=gold, wrong=wrong)
 
+# %% ../nbs/04a_pools.ipynb #73365259
 def fit_hack_teacher(
     model,                     # a causal LM: wrapped in a fresh peft LoRA adapter (pass a copy to keep the original)
     tokenizer,
@@ -278,6 +282,7 @@ def mixed_records(
         out += [recs[i] for i in sorted(random.Random(seed * 1_000_003 + step).sample(range(len(recs)), per_pool))]
     return out
 
+# %% ../nbs/04a_pools.ipynb #cba5a1b4
 def replay_batch(
     records:list,              # one group [dict], or B groups [[dict]] of equal size G
     tokenizer,                 # the scoring policy's tokenizer
@@ -339,6 +344,7 @@ class ReplaySource:
         rewards = torch.tensor([[float(r["reward"]) for r in g] for g in groups])
         return Rollout(batch, groups, grades, rewards)
 
+# %% ../nbs/04a_pools.ipynb #1f0df0dd
 def check_pool_settings(
     pools:list[Pool],
     config:GenerationConfig,   # the run's sampling knobs

@@ -120,6 +120,7 @@ def pair_loss_difference(logprobs:Tensor, gen_mask:Tensor, loss:str="nll", lengt
     ls = pair_losses(logprobs, gen_mask, loss, length_norm, max_len)
     return ls[:, 0] - ls[:, 1]
 
+# %% ../nbs/05_projection_arms.ipynb #3eae4c92
 def completion_gradients(
     sp:SequenceProcessor,       # scores with the adapted model's sampling distribution
     adapter:Adapter,
@@ -156,7 +157,7 @@ def permuted_differences(grads:dict[str, Tensor], seed:int=0) -> dict[str, Tenso
     perm = torch.randperm(2 * n, generator=torch.Generator().manual_seed(seed))
     return {m: g.reshape(2 * n, -1)[perm[:n]] - g.reshape(2 * n, -1)[perm[n:]] for m, g in grads.items()}
 
-# %% ../nbs/05_projection_arms.ipynb #3eae4c92
+# %% ../nbs/05_projection_arms.ipynb #eaead166
 @dataclass
 class VHack:
     "Per-module v_hack bases (orthonormal, oriented rows) with the metadata of their extraction."
@@ -201,6 +202,7 @@ class VHack:
         vh = cls(parts["V"], meta, parts["S"] or None, parts["vote"] or None)
         return vh.check(adapter) if adapter is not None else vh
 
+# %% ../nbs/05_projection_arms.ipynb #ee603833
 def _orient(D:Tensor, Vk:Tensor) -> tuple[Tensor, Tensor]:
     "Flip each row v of Vk so that most rows d of D have d·v > 0 (tie: sign of Σ d·v); returns (Vk, vote fractions)."
     proj = D @ Vk.T                                                    # [n, k]
@@ -230,6 +232,7 @@ def v_hack_from_differences(
         S[n] = s[:k].float()
     return V, S, vote
 
+# %% ../nbs/05_projection_arms.ipynb #d2231846
 V_HACK_SOURCES = ("pairs", "permuted", "random")
 
 def extract_v_hack(
@@ -297,6 +300,7 @@ def alignment_stats(
     return dict(zip(COS_KEYS, s), cos_null=1 / math.sqrt(N), cos_sub_null=math.sqrt(K / N),
                 module_cos_null=sum(1 / math.sqrt(x) for x in Ns) / len(Ns), c=c, module_cos_values=per_module.detach())
 
+# %% ../nbs/05_projection_arms.ipynb #74ce60a2
 def project_grad(
     grads:dict[str, Tensor],    # {module: gradient (any shape, N_m elements)}
     V:dict[str, Tensor]|VHack,  # {module: [k, N_m]} orthonormal rows, or a VHack

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from fastcore.basics import patch
 from tqdm.auto import tqdm
 
 from .policies import load_policy, tiny_policy  # noqa: F401 (re-exported: part of this module's API)
@@ -247,125 +248,132 @@ class SequenceProcessor:
                                  f"> the model's context of {ctx} positions")
         return ids
 
-    @torch.no_grad()
-    def generate_batched(
-        self,
-        prompts:list,              # [B] strings (chat template already applied) or token-id lists
-        G:int|None=None,           # completions per prompt; default config.num_generations
-        gen_batch_size:int|None=None,  # sequences per generate call; default config.gen_batch_size
-        seed:int|None=None,        # default config.seed; the same seed gives the same completions
-    )->BatchedSequences:
-        "Sample G completions per prompt, left-padded prompts and right-padded completions in one [B, G, T] tensor."
-        cfg = self.config
-        G = cfg.num_generations if G is None else G
-        if not isinstance(G, int) or G < 1: raise ValueError(f"G={G!r}: expected an integer >= 1")
-        gbs = gen_batch_size or cfg.gen_batch_size
-        ids = self._tokenize(prompts)
-        B, P, pad = len(ids), max(len(x) for x in ids), self.tokenizer.pad_token_id
-        per_call = max(1, gbs // G)                            # prompts per generate call
-        gcfg = hf_generation_config(cfg, self.tokenizer, self.eos_token_id)
-        prompt_block = torch.full((B, P), pad, dtype=torch.long)
-        attn_block = torch.zeros((B, P), dtype=torch.long)
-        for b, x in enumerate(ids):
-            prompt_block[b, P - len(x):] = torch.tensor(x); attn_block[b, P - len(x):] = 1
-        completions = []                                       # per call: [n*G, L] generated tokens
-        was_training = self.model.training
-        self.model.eval()
-        seed = cfg.seed if seed is None else seed
-        devices = [self.device] if self.device.type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=devices):
-                for ci, s in enumerate(tqdm(range(0, B, per_call), desc="generate", disable=tqdm_disable(self.progress),
-                                            mininterval=5)):
-                    torch.manual_seed(seed * 1_000_003 + ci)
-                    pb, ab = prompt_block[s:s + per_call], attn_block[s:s + per_call]
-                    keep = ab.any(0).nonzero()[0, 0]           # drop columns that are padding for every prompt here
-                    pb, ab = pb[:, keep:].to(self.device), ab[:, keep:].to(self.device)
-                    with own_generation_config(self.model):
-                        out = self.model.generate(input_ids=pb.repeat_interleave(G, 0),
-                                                  attention_mask=ab.repeat_interleave(G, 0),
-                                                  generation_config=gcfg)
-                    completions.append(out[:, pb.shape[1]:].cpu())
-        finally:
-            self.model.train(was_training)
-        L = max(c.shape[1] for c in completions)
-        gen = torch.cat([torch.nn.functional.pad(c, (0, L - c.shape[1]), value=pad) for c in completions]).view(B, G, L)
-        seqs = torch.cat([prompt_block[:, None].expand(B, G, P), gen], -1)
-        attn = torch.cat([attn_block[:, None].expand(B, G, P), torch.ones_like(gen)], -1)
-        cm = completion_mask(seqs.view(B * G, -1), attn.view(B * G, -1), torch.full((B * G,), P),
-                             self.eos_token_id).view(B, G, -1)
-        attn[..., P:] = cm[..., P:].long()
-        gen_lens = cm.sum(-1)
-        texts = [[self.tokenizer.decode(gen[b, g, :gen_lens[b, g]],
-                                        skip_special_tokens=True) for g in range(G)] for b in range(B)]
-        return BatchedSequences(seqs, attn, [P] * B, gen_lens, texts)
+# %% ../nbs/00_sequence_processor.ipynb #96a394e0
+@patch
+@torch.no_grad()
+def generate_batched(
+    self:SequenceProcessor,
+    prompts:list,              # [B] strings (chat template already applied) or token-id lists
+    G:int|None=None,           # completions per prompt; default config.num_generations
+    gen_batch_size:int|None=None,  # sequences per generate call; default config.gen_batch_size
+    seed:int|None=None,        # default config.seed; the same seed gives the same completions
+)->BatchedSequences:
+    "Sample G completions per prompt, left-padded prompts and right-padded completions in one [B, G, T] tensor."
+    cfg = self.config
+    G = cfg.num_generations if G is None else G
+    if not isinstance(G, int) or G < 1: raise ValueError(f"G={G!r}: expected an integer >= 1")
+    gbs = gen_batch_size or cfg.gen_batch_size
+    ids = self._tokenize(prompts)
+    B, P, pad = len(ids), max(len(x) for x in ids), self.tokenizer.pad_token_id
+    per_call = max(1, gbs // G)                            # prompts per generate call
+    gcfg = hf_generation_config(cfg, self.tokenizer, self.eos_token_id)
+    prompt_block = torch.full((B, P), pad, dtype=torch.long)
+    attn_block = torch.zeros((B, P), dtype=torch.long)
+    for b, x in enumerate(ids):
+        prompt_block[b, P - len(x):] = torch.tensor(x); attn_block[b, P - len(x):] = 1
+    completions = []                                       # per call: [n*G, L] generated tokens
+    was_training = self.model.training
+    self.model.eval()
+    seed = cfg.seed if seed is None else seed
+    devices = [self.device] if self.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            for ci, s in enumerate(tqdm(range(0, B, per_call), desc="generate", disable=tqdm_disable(self.progress),
+                                        mininterval=5)):
+                torch.manual_seed(seed * 1_000_003 + ci)
+                pb, ab = prompt_block[s:s + per_call], attn_block[s:s + per_call]
+                keep = ab.any(0).nonzero()[0, 0]           # drop columns that are padding for every prompt here
+                pb, ab = pb[:, keep:].to(self.device), ab[:, keep:].to(self.device)
+                with own_generation_config(self.model):
+                    out = self.model.generate(input_ids=pb.repeat_interleave(G, 0),
+                                              attention_mask=ab.repeat_interleave(G, 0),
+                                              generation_config=gcfg)
+                completions.append(out[:, pb.shape[1]:].cpu())
+    finally:
+        self.model.train(was_training)
+    L = max(c.shape[1] for c in completions)
+    gen = torch.cat([torch.nn.functional.pad(c, (0, L - c.shape[1]), value=pad) for c in completions]).view(B, G, L)
+    seqs = torch.cat([prompt_block[:, None].expand(B, G, P), gen], -1)
+    attn = torch.cat([attn_block[:, None].expand(B, G, P), torch.ones_like(gen)], -1)
+    cm = completion_mask(seqs.view(B * G, -1), attn.view(B * G, -1), torch.full((B * G,), P),
+                         self.eos_token_id).view(B, G, -1)
+    attn[..., P:] = cm[..., P:].long()
+    gen_lens = cm.sum(-1)
+    texts = [[self.tokenizer.decode(gen[b, g, :gen_lens[b, g]],
+                                    skip_special_tokens=True) for g in range(G)] for b in range(B)]
+    return BatchedSequences(seqs, attn, [P] * B, gen_lens, texts)
 
-    def teacher_force_logprobs(
-        self,
-        seqs:BatchedSequences,
-        with_grad:bool=False,      # keep the graph of `logprobs` (and of RB entropies if config.rb_requires_grad)
-        compute_rb:bool=True,      # RB and full-vocab entropies
-        params_override:dict|None=None,  # {name: tensor} as in model.named_parameters(); evaluated via functional_call
-        support:Tensor|None=None,  # [M, K] kept sets of an earlier call's diagnostics["support"] (fixed support)
-        return_support:bool=False, # put the kept sets used into diagnostics["support"]
-        checkpoint:bool|None=None, # recompute each head chunk in backward (default: with_grad)
-        rb_grad:bool|None=None,    # RB entropies carry the graph (with_grad only); default config.rb_requires_grad
-    )->tuple[LogprobResults, dict]:
-        "Score the completions of `seqs` under the sampling distribution; chunked over sequences and head positions."
-        cfg, (B, G, T), t0 = self.config, seqs.shape, time.time()
-        rb_grad = with_grad and (cfg.rb_requires_grad if rb_grad is None else rb_grad)
-        with (nullcontext() if with_grad else torch.no_grad()):
-            parts = self._microbatches(seqs, compute_rb, rb_grad, params_override, support, return_support,
-                                       with_grad if checkpoint is None else checkpoint)
-        rows, cols, Tg = torch.cat(parts["rows"]), torch.cat(parts["cols"]), T - int(min(seqs.prompt_lens))
-        def place(key):
-            vals = torch.cat(parts[key])
-            out = torch.zeros(B * G, Tg, device=self.device, dtype=vals.dtype)
-            return out.index_put((rows, cols), vals).view(B, G, Tg)
-        logq, outside = place("logq"), place("outside")
-        mask = torch.zeros(B * G, Tg, dtype=torch.bool, device=self.device).index_put((rows, cols), torch.tensor(True))
-        mask = mask.view(B, G, Tg)
-        rb = place("rb") if compute_rb else None
-        res = LogprobResults(logprobs=logq, surprisals=(-logq).detach() * mask,
-                             rb_entropies=None if rb is None else rb.detach(),
-                             gen_mask=mask, rb_entropies_torch=rb if rb_grad else None,
-                             full_entropies=place("full") if compute_rb else None,
-                             full_logprobs=place("logp_full") if compute_rb else None, outside_support=outside)
-        diag = dict(n_tokens=int(mask.sum()), n_outside_support=int(outside.sum()), seconds=time.time() - t0,
-                    n_microbatches=math.ceil(B * G / cfg.tf_batch_size))
-        if return_support:
-            diag["support"] = None if parts["support"][0] is None else _cat_padded(parts["support"])
-        return res, diag
+# %% ../nbs/00_sequence_processor.ipynb #5ec28fd2
+@patch
+def teacher_force_logprobs(
+    self:SequenceProcessor,
+    seqs:BatchedSequences,
+    with_grad:bool=False,      # keep the graph of `logprobs` (and of RB entropies if config.rb_requires_grad)
+    compute_rb:bool=True,      # RB and full-vocab entropies
+    params_override:dict|None=None,  # {name: tensor} as in model.named_parameters(); evaluated via functional_call
+    support:Tensor|None=None,  # [M, K] kept sets of an earlier call's diagnostics["support"] (fixed support)
+    return_support:bool=False, # put the kept sets used into diagnostics["support"]
+    checkpoint:bool|None=None, # recompute each head chunk in backward (default: with_grad)
+    rb_grad:bool|None=None,    # RB entropies carry the graph (with_grad only); default config.rb_requires_grad
+)->tuple[LogprobResults, dict]:
+    "Score the completions of `seqs` under the sampling distribution; chunked over sequences and head positions."
+    cfg, (B, G, T), t0 = self.config, seqs.shape, time.time()
+    rb_grad = with_grad and (cfg.rb_requires_grad if rb_grad is None else rb_grad)
+    with (nullcontext() if with_grad else torch.no_grad()):
+        parts = self._microbatches(seqs, compute_rb, rb_grad, params_override, support, return_support,
+                                   with_grad if checkpoint is None else checkpoint)
+    rows, cols, Tg = torch.cat(parts["rows"]), torch.cat(parts["cols"]), T - int(min(seqs.prompt_lens))
+    def place(key):
+        vals = torch.cat(parts[key])
+        out = torch.zeros(B * G, Tg, device=self.device, dtype=vals.dtype)
+        return out.index_put((rows, cols), vals).view(B, G, Tg)
+    logq, outside = place("logq"), place("outside")
+    mask = torch.zeros(B * G, Tg, dtype=torch.bool, device=self.device).index_put((rows, cols), torch.tensor(True))
+    mask = mask.view(B, G, Tg)
+    rb = place("rb") if compute_rb else None
+    res = LogprobResults(logprobs=logq, surprisals=(-logq).detach() * mask,
+                         rb_entropies=None if rb is None else rb.detach(),
+                         gen_mask=mask, rb_entropies_torch=rb if rb_grad else None,
+                         full_entropies=place("full") if compute_rb else None,
+                         full_logprobs=place("logp_full") if compute_rb else None, outside_support=outside)
+    diag = dict(n_tokens=int(mask.sum()), n_outside_support=int(outside.sum()), seconds=time.time() - t0,
+                n_microbatches=math.ceil(B * G / cfg.tf_batch_size))
+    if return_support:
+        diag["support"] = None if parts["support"][0] is None else _cat_padded(parts["support"])
+    return res, diag
 
-    def _microbatches(self, seqs, compute_rb, rb_grad, params_override, support, return_support, checkpoint) -> dict:
-        "Per microbatch of tf_batch_size sequences: completion positions (rows, cols) and their token_stats, as lists."
-        cfg, (B, G, T) = self.config, seqs.shape
-        flat_ids = seqs.sequences.reshape(B * G, T).to(self.device)
-        flat_attn = seqs.attention_masks.reshape(B * G, T).to(self.device)
-        starts = torch.as_tensor(seqs.prompt_lens, device=self.device).repeat_interleave(G)
-        gmask = completion_mask(flat_ids, flat_attn, starts, self.eos_token_id)
-        scorer = _HeadScorer(self.model)
-        over = None if params_override is None else {"model." + k: v for k, v in params_override.items()}
-        parts = {k: [] for k in ("rows", "cols", "logq", "outside", "rb", "full", "logp_full", "support")}
-        offset = 0
-        for s in tqdm(range(0, B * G, cfg.tf_batch_size), desc="teacher-force", disable=tqdm_disable(self.progress),
-                      mininterval=5):
-            a, m = flat_attn[s:s + cfg.tf_batch_size], gmask[s:s + cfg.tf_batch_size]
-            cols = (a.bool() | m).any(0).nonzero().squeeze(1)
-            lo, hi = int(cols[0]), int(cols[-1]) + 1      # drop all-padding columns on both sides
-            n_tok = int(m[:, lo + 1:hi].sum())
-            sup = None if support is None else support[offset:offset + n_tok]
-            args = (flat_ids[s:s + cfg.tf_batch_size, lo:hi], a[:, lo:hi], m[:, lo:hi], cfg, compute_rb, rb_grad, sup,
-                    return_support, checkpoint)
-            rows, pos, st = torch.func.functional_call(scorer, over, args) if over is not None else scorer(*args)
-            offset += n_tok
-            parts["rows"].append(rows + s); parts["cols"].append(pos + lo - starts[rows + s])
-            parts["logq"].append(st["logq"]); parts["outside"].append(st["outside"])
-            if compute_rb:
-                parts["rb"].append(st["rb"] if rb_grad else st["rb"].detach())
-                parts["full"].append(st["full"].detach()); parts["logp_full"].append(st["logp_full"])
-            if return_support: parts["support"].append(st["support"])
-        return parts
+# %% ../nbs/00_sequence_processor.ipynb #ce6ae906
+@patch
+def _microbatches(self:SequenceProcessor, seqs, compute_rb, rb_grad, params_override, support, return_support,
+                  checkpoint) -> dict:
+    "Per microbatch of tf_batch_size sequences: completion positions (rows, cols) and their token_stats, as lists."
+    cfg, (B, G, T) = self.config, seqs.shape
+    flat_ids = seqs.sequences.reshape(B * G, T).to(self.device)
+    flat_attn = seqs.attention_masks.reshape(B * G, T).to(self.device)
+    starts = torch.as_tensor(seqs.prompt_lens, device=self.device).repeat_interleave(G)
+    gmask = completion_mask(flat_ids, flat_attn, starts, self.eos_token_id)
+    scorer = _HeadScorer(self.model)
+    over = None if params_override is None else {"model." + k: v for k, v in params_override.items()}
+    parts = {k: [] for k in ("rows", "cols", "logq", "outside", "rb", "full", "logp_full", "support")}
+    offset = 0
+    for s in tqdm(range(0, B * G, cfg.tf_batch_size), desc="teacher-force", disable=tqdm_disable(self.progress),
+                  mininterval=5):
+        a, m = flat_attn[s:s + cfg.tf_batch_size], gmask[s:s + cfg.tf_batch_size]
+        cols = (a.bool() | m).any(0).nonzero().squeeze(1)
+        lo, hi = int(cols[0]), int(cols[-1]) + 1      # drop all-padding columns on both sides
+        n_tok = int(m[:, lo + 1:hi].sum())
+        sup = None if support is None else support[offset:offset + n_tok]
+        args = (flat_ids[s:s + cfg.tf_batch_size, lo:hi], a[:, lo:hi], m[:, lo:hi], cfg, compute_rb, rb_grad, sup,
+                return_support, checkpoint)
+        rows, pos, st = torch.func.functional_call(scorer, over, args) if over is not None else scorer(*args)
+        offset += n_tok
+        parts["rows"].append(rows + s); parts["cols"].append(pos + lo - starts[rows + s])
+        parts["logq"].append(st["logq"]); parts["outside"].append(st["outside"])
+        if compute_rb:
+            parts["rb"].append(st["rb"] if rb_grad else st["rb"].detach())
+            parts["full"].append(st["full"].detach()); parts["logp_full"].append(st["logp_full"])
+        if return_support: parts["support"].append(st["support"])
+    return parts
 
 # %% ../nbs/00_sequence_processor.ipynb #cbeedd8e
 PROBE_BATCH_KEYS = ("sequences", "attention_masks", "prompt_lens", "advantages", "max_lengths", "prompt_ids",
@@ -395,6 +403,7 @@ def check_probe_batch(batch:dict) -> dict:
     if not torch.isfinite(batch["advantages"]).all(): raise ValueError("advantages contain NaN or inf")
     return batch
 
+# %% ../nbs/00_sequence_processor.ipynb #cd9482e2
 def make_probe_batch(
     seqs:BatchedSequences,
     rewards:Tensor,            # [B, G]

@@ -131,6 +131,7 @@ class RewardLevels:
         "The reward of one reply from its grades."
         return self.hack if hacked else self.correct if gt_pass else self.format if fmt_ok else self.none
 
+# %% ../nbs/00b_tasks.ipynb #b797313e
 def grade(
     response:str,                                # the model's reply (generated text only)
     problem:Problem,                             # the problem it answers
@@ -194,6 +195,7 @@ def _problem(obj, question_key:str, answer_key:str, default_id:str) -> Problem:
     if not answer: raise ValueError(f"{answer_key!r} has no final answer")
     return Problem(str(obj.get("id", default_id)), question.strip(), answer)
 
+# %% ../nbs/00b_tasks.ipynb #b93836e8
 def load_jsonl_problems(
     path:str|Path,             # a .jsonl file, one object per line
     question_key:str="question", # field holding the question
@@ -253,6 +255,7 @@ class Task:
         "`grade_batch` with this task's exact grader and reward levels."
         return grade_batch(responses, problems, self.reward_levels, self.exact)
 
+# %% ../nbs/00b_tasks.ipynb #77eb9362
 class ArithmeticTask(Task):
     "A pool of generated arithmetic problems, graded by exact number equality."
     def __init__(self, n:int=992, seed:int=0, n_operands:int=2, max_value:int=99, ops:str=OPS,

@@ -190,6 +190,7 @@ def load_checkpoint(
         if scheduler is not None: scheduler.load_state_dict(st["scheduler"])
     return json.loads((path/"state.json").read_text())
 
+# %% ../nbs/03a_training.ipynb #732f3a13
 def latest_checkpoint(out_dir:str|Path) -> Path|None:
     "The newest complete checkpoint under out_dir/checkpoints, or None."
     done = sorted(p for p in (Path(out_dir)/"checkpoints").glob("step_*") if (p/"state.json").exists())
@@ -266,6 +267,7 @@ def _setup(model, tokenizer, cfg:TrainConfig, resume_from, out:Path|None) -> _Ru
     if out is not None and rank() == 0: _prepare_out_dir(out, cfg, run.start)
     return run
 
+# %% ../nbs/03a_training.ipynb #f044f4d0
 def _check_resume(state:dict, cfg:TrainConfig, path):
     "The saved config must be this one, except `steps` and `checkpoint_every`."
     old, new = TrainConfig(**state["config"]).to_dict(), cfg.to_dict()
@@ -366,6 +368,7 @@ def _end_step(run:_Run, rec:dict, cfg:TrainConfig, out:Path|None):
     if out is not None and rank() == 0:
         with open(out/"log.jsonl", "a") as f: f.write(json.dumps(rec, default=json_default) + "\n")
 
+# %% ../nbs/03a_training.ipynb #dcf95a28
 def train(
     model,                           # causal LM (load_policy / tiny_policy / any HF model); LoRA-wrapped when lora_r
     tokenizer,
