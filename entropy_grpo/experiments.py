@@ -306,7 +306,7 @@ def main(argv=None):
                                  "policy.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="Phase-2 probe on the embedded default policy (SmolLM2-135M), small enough for a "
-                       "laptop CPU; report under runs/demo")
+                       "laptop CPU; report under runs/local/demo/<date>-<seed>-<arm> (ignored by git)")
     d.add_argument("--seed", type=int, default=0); d.add_argument("--arm", default="projected")
     d.add_argument("-p", action="append", metavar="NAME=VALUE", help="override a template parameter")
     p = sub.add_parser("probe", help="one Phase-2 probe run (papermill report under runs/<exp>/<seed>-<arm>)")
@@ -337,7 +337,11 @@ def main(argv=None):
     if a.cmd in ("demo", "probe"):
         exp = "demo" if a.cmd == "demo" else a.exp
         params = {**(DEMO_PARAMETERS if a.cmd == "demo" else {}), **_kv(a.p), "seed": a.seed, "arm": a.arm}
-        out = run_notebook("phase2", root/"runs"/exp/_run_name(a.seed, a.arm), params, exp)
+        if a.cmd == "demo":   # a user's demo runs go to the ignored runs/local/, one dated directory each
+            stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+            out = run_notebook("phase2", root/"runs"/"local"/"demo"/f"{stamp}-{_run_name(a.seed, a.arm)}", params, exp,
+                               log_path=root/"runs"/"local"/"LOG.md")
+        else: out = run_notebook("phase2", root/"runs"/exp/_run_name(a.seed, a.arm), params, exp)
         print(json.dumps(out, indent=1))
         return 0 if out["status"] == "ok" else 1
     if a.cmd == "phase1":
