@@ -165,3 +165,12 @@ def test_phase2_template_splits_fit_and_replay(tmp_path):
                                                                 "cos_out_below_in",
                                                               "over_projection", "step_along_v", "norm_removed"}
     assert m["results"]["decision"]["recommendation"] and set(m["results"]["per_step"]) == {"vanilla", "projected"}
+
+
+def test_random_v_hack_is_sign_symmetric():
+    "Q from torch.linalg.qr alone has a one-sided first coordinate; with the signs of diag(R) fixed it is uniform."
+    model, _ = tiny_policy(0)
+    ad = add_delta_s(model)
+    first = [float(random_v_hack(ad, 1, s).V[ad.names[0]][0, 0]) for s in range(400)]
+    positive = sum(x > 0 for x in first)
+    assert 160 < positive < 240, positive                     # Binomial(400, 1/2): ±4 standard deviations
