@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from fastcore.basics import patch
 from torch import Tensor, nn
 
 from .utils import atomic_path
@@ -149,46 +150,54 @@ class Adapter:
                 elif g.any(): p.grad = g.clone()
                 o += p.numel()
 
-    def param_names(self) -> dict[str, dict[str, str]]:
-        "{module: {local name: the parameter's name in model.named_parameters()}}."
-        full = {id(p): n for n, p in self.model.named_parameters()}
-        return {m: {k: full[id(p)] for k, p in ps.items()} for m, ps in self.module_params().items()}
+# %% ../nbs/05a_adapters.ipynb #3f3f955d
+@patch
+def param_names(self:Adapter) -> dict[str, dict[str, str]]:
+    "{module: {local name: the parameter's name in model.named_parameters()}}."
+    full = {id(p): n for n, p in self.model.named_parameters()}
+    return {m: {k: full[id(p)] for k, p in ps.items()} for m, ps in self.module_params().items()}
 
-    def module_vectors(self, tensors:dict[str, Tensor]) -> dict[str, Tensor]:
-        "{parameter name: tensor shaped like it} -> {module: flat vector}."
-        return {m: torch.cat([tensors[n].reshape(-1) for n in names.values()]) for m,
-                names in self.param_names().items()}
+@patch
+def module_vectors(self:Adapter, tensors:dict[str, Tensor]) -> dict[str, Tensor]:
+    "{parameter name: tensor shaped like it} -> {module: flat vector}."
+    return {m: torch.cat([tensors[n].reshape(-1) for n in names.values()]) for m,
+            names in self.param_names().items()}
 
-    def param_tensors(self, vectors:dict[str, Tensor]) -> dict[str, Tensor]:
-        "{module: flat vector} -> {parameter name: tensor shaped like the parameter}."
-        out, ps = {}, self.module_params()
-        for m, names in self.param_names().items():
-            parts = vectors[m].split([p.numel() for p in ps[m].values()])
-            out.update({n: t.view(ps[m][k].shape) for (k, n), t in zip(names.items(), parts)})
-        return out
+@patch
+def param_tensors(self:Adapter, vectors:dict[str, Tensor]) -> dict[str, Tensor]:
+    "{module: flat vector} -> {parameter name: tensor shaped like the parameter}."
+    out, ps = {}, self.module_params()
+    for m, names in self.param_names().items():
+        parts = vectors[m].split([p.numel() for p in ps[m].values()])
+        out.update({n: t.view(ps[m][k].shape) for (k, n), t in zip(names.items(), parts)})
+    return out
 
-    def signature(self) -> dict:
-        return dict(kind=self.kind, model=model_name(self.model), config_hash=config_hash(self.model),
-                    weights_hash=self.weights_hash, targets=list(self.names), dims=self.dims, **self._settings())
+# %% ../nbs/05a_adapters.ipynb #7f8ac05b
+@patch
+def signature(self:Adapter) -> dict:
+    return dict(kind=self.kind, model=model_name(self.model), config_hash=config_hash(self.model),
+                weights_hash=self.weights_hash, targets=list(self.names), dims=self.dims, **self._settings())
 
-    def save(self, path:str|Path, **meta):
-        "Adapter parameters as safetensors, with the signature and `meta` in the metadata."
-        from safetensors.torch import save_file
-        tensors = {f"{n}.{k}": p.detach().cpu().contiguous() for n, ps in self.module_params().items() for k,
-                   p in ps.items()}
-        save_file(tensors, str(path), metadata={"entropy_grpo_adapter": json.dumps(dict(self.signature(), **meta))})
+@patch
+def save(self:Adapter, path:str|Path, **meta):
+    "Adapter parameters as safetensors, with the signature and `meta` in the metadata."
+    from safetensors.torch import save_file
+    tensors = {f"{n}.{k}": p.detach().cpu().contiguous() for n, ps in self.module_params().items() for k,
+               p in ps.items()}
+    save_file(tensors, str(path), metadata={"entropy_grpo_adapter": json.dumps(dict(self.signature(), **meta))})
 
-    @torch.no_grad()
-    def load(self, path:str|Path) -> dict:
-        "Load parameters saved by `save` after checking the signature; returns the stored metadata."
-        from safetensors import safe_open
-        with safe_open(str(path), "pt") as f:
-            meta = json.loads(f.metadata()["entropy_grpo_adapter"])
-            check_signature(self.signature(), meta, f"adapter file {str(path)!r}", self.load_keys)
-            for n, ps in self.module_params().items():
-                for k, p in ps.items(): p.copy_(f.get_tensor(f"{n}.{k}"))
-        self._adopt(meta)
-        return meta
+@patch
+@torch.no_grad()
+def load(self:Adapter, path:str|Path) -> dict:
+    "Load parameters saved by `save` after checking the signature; returns the stored metadata."
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["entropy_grpo_adapter"])
+        check_signature(self.signature(), meta, f"adapter file {str(path)!r}", self.load_keys)
+        for n, ps in self.module_params().items():
+            for k, p in ps.items(): p.copy_(f.get_tensor(f"{n}.{k}"))
+    self._adopt(meta)
+    return meta
 
 # %% ../nbs/05a_adapters.ipynb #66dc9b61
 class DeltaSAdapter(Adapter):
