@@ -6,7 +6,7 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/delta_entropy_is.html.md"""
 
 # %% ../nbs/02_delta_entropy_is.ipynb #20fafd77
 from __future__ import annotations
-import copy, logging, random, time, warnings
+import copy, logging, math, random, time, types, warnings
 
 import numpy as np
 import torch
@@ -15,10 +15,11 @@ from torch import Tensor
 from .dist import all_reduce_counts, all_reduce_extreme, all_reduce_sum
 from .dr_grpo import check_length_norm, policy_gradient_backward
 from .sequence_processor import GenerationConfig, SequenceProcessor, as_batched_sequences
-from .utils import check_choice
+from .utils import check_choice, check_range
 
 # %% auto #0
-__all__ = ['IMPORTANCE_DEFAULTS', 'TrainingState', 'importance_config', 'DeltaEntropyIS']
+__all__ = ['IMPORTANCE_DEFAULTS', 'TrainingState', 'importance_config', 'update_backward', 'probe_dtype', 'full_precision_norms',
+           'probe_copy', 'DeltaEntropyIS']
 
 # %% ../nbs/02_delta_entropy_is.ipynb #7431529c
 class TrainingState:
@@ -55,6 +56,10 @@ IMPORTANCE_DEFAULTS = dict(
     lr=None,                # use this learning rate for the probe step (restored afterwards)
     length_norm="max_len",  # the update loss normalisation (dr_grpo)
     clip_eps=0.2,           # inactive at ratio 1, kept for the same call as training
+    max_grad_norm=None,     # clip the U gradient's global norm as `training.train` does (None: no clipping)
+    beta=0.0,               # KL coefficient of the update; > 0 needs U_batch["ref_logp"] (reference log q on U)
+    support_growth=True,    # measure θ⁺'s mass on tokens that enter the kept sets (one more pass when sets change)
+    return_delta=False,     # also return the realised step {parameter name: Δθ}
 )
 
 def importance_config(cfg:dict|None=None) -> dict:
@@ -70,17 +75,21 @@ def importance_config(cfg:dict|None=None) -> dict:
     check_choice("weights", cfg["weights"], ("sampling", "full"))
     check_choice("entropy_mode", cfg["entropy_mode"], ("rb", "naive"))
     cfg["length_norm"] = check_length_norm(cfg["length_norm"])
+    if cfg["max_grad_norm"] is not None: check_range("max_grad_norm", cfg["max_grad_norm"], 0, lo_open=True)
+    check_range("beta", cfg["beta"], 0)
     return cfg
 
 # %% ../nbs/02_delta_entropy_is.ipynb #5e6f46a1
-def _score_E(sp, E, mode, weights, support=None, return_support=False):
+def _score_E(sp, E, mode, weights, support=None, return_support=False, per_token=False):
     "Per-sequence log q (or log p), entropy sum S, length L and outside flags of E; the kept sets when asked."
     res, diag = sp.teacher_force_logprobs(E, compute_rb=True, support=support, return_support=return_support)
     m = res.gen_mask
     lp = res.full_logprobs if weights == "full" else res.logprobs
     S = (res.rb_entropies * m).sum(-1) if mode == "rb" else -(res.logprobs * m).sum(-1)
-    return dict(logq=(lp * m).sum(-1).flatten().double(), S=S.flatten().double(), L=m.sum(-1).flatten().double(),
-                out=(res.outside_support & m).flatten(0, 1), n_tok=int(m.sum()), support=diag.get("support"))
+    out = dict(logq=(lp * m).sum(-1).flatten().double(), S=S.flatten().double(), L=m.sum(-1).flatten().double(),
+               out=(res.outside_support & m).flatten(0, 1), n_tok=int(m.sum()), support=diag.get("support"))
+    if per_token: out.update(logq_tok=(res.logprobs * m).flatten(0, 1).double(), mask=m.flatten(0, 1))
+    return out
 
 def _snis(logw:Tensor, S:Tensor, L:Tensor, zero:Tensor) -> dict:
     "Global SNIS sums: weights exp(log w − global max), zero where q_θ⁺(Y) = 0; every sum all-reduced."
@@ -89,16 +98,103 @@ def _snis(logw:Tensor, S:Tensor, L:Tensor, zero:Tensor) -> dict:
     w = torch.exp(logw - mx).masked_fill(zero, 0.0)
     sums = torch.stack([w.sum(), (w * w).sum(), (w * S).sum(), (w * L).sum()])
     all_reduce_sum([sums])
-    return dict(sw=sums[0], sw2=sums[1], swS=sums[2], swL=sums[3], max=mx)
+    return dict(sw=sums[0], sw2=sums[1], swS=sums[2], swL=sums[3], max=mx, w=w)
+
+def _padded_sorted(s:Tensor, K:int) -> Tensor:
+    return torch.nn.functional.pad(s, (0, K - s.shape[1]), value=-1).sort(-1).values
+
+def _changed_rows(sup_a:Tensor|None, sup_b:Tensor|None) -> Tensor|None:
+    "Bool [M]: positions whose kept sets (−1-padded index lists) differ as sets; None without kept sets."
+    if sup_a is None or sup_b is None: return None
+    K = max(sup_a.shape[1], sup_b.shape[1])
+    return (_padded_sorted(sup_a, K) != _padded_sorted(sup_b, K)).any(-1)
 
 def _changed_positions(sup_a:Tensor|None, sup_b:Tensor|None) -> int:
     "Number of positions whose kept sets (−1-padded index lists) differ as sets."
-    if sup_a is None or sup_b is None: return 0
-    K = max(sup_a.shape[1], sup_b.shape[1])
-    norm = lambda s: torch.nn.functional.pad(s, (0, K - s.shape[1]), value=-1).sort(-1).values
-    return int((norm(sup_a) != norm(sup_b)).any(-1).sum())
+    rows = _changed_rows(sup_a, sup_b)
+    return 0 if rows is None else int(rows.sum())
+
+def _intersect_support(before:Tensor, after:Tensor, rows:Tensor) -> Tensor:
+    "θ⁺'s kept sets `after`, with each changed row (`rows`) cut down to the tokens also kept at θ (`before`)."
+    out = after.clone()
+    for i in rows.nonzero().flatten().tolist():
+        a, b = before[i][before[i] >= 0], after[i][after[i] >= 0]
+        keep = b[torch.isin(b, a)]
+        out[i] = -1
+        out[i, :keep.numel()] = keep
+    return out
 
 # %% ../nbs/02_delta_entropy_is.ipynb #b5911385
+def update_backward(
+    sp:SequenceProcessor,       # scores with the model being stepped
+    U_batch:dict,               # probe batch with advantages (and "ref_logp" [B, G, T_gen] when beta > 0)
+    params:list,                # the optimizer's parameters: clipped together, as `train` clips them
+    cfg:dict|None=None,         # importance_config keys: length_norm, clip_eps, beta, max_grad_norm
+)->dict:                        # policy_gradient_backward's result, grad_norm (before clipping) and clip_coef
+    "The training update's gradient on U, in .grad: Dr.GRPO backward, then the global norm clipped as `train` does."
+    cfg = importance_config(cfg)
+    if not isinstance(U_batch, dict) or "advantages" not in U_batch:
+        raise ValueError(f"U_batch: expected a probe batch dict with advantages, got {type(U_batch).__name__}")
+    ref = U_batch.get("ref_logp")
+    if cfg["beta"] > 0 and ref is None:
+        raise ValueError(f"beta={cfg['beta']}: the KL term needs the reference log q on U as U_batch['ref_logp']")
+    for p in params: p.grad = None
+    out = policy_gradient_backward(sp, as_batched_sequences(U_batch, "U_batch"), U_batch["advantages"],
+                                   length_norm=cfg["length_norm"], clip_eps=cfg["clip_eps"], beta=cfg["beta"],
+                                   ref_logp=ref if cfg["beta"] > 0 else None)
+    mx = cfg["max_grad_norm"]
+    gn = float(torch.nn.utils.clip_grad_norm_(params, mx or math.inf))   # train's call, the same arguments
+    return dict(out, grad_norm=gn, clip_coef=min(1.0, mx / (gn + 1e-6)) if mx else 1.0)
+
+# %% ../nbs/02_delta_entropy_is.ipynb #7e216787
+def probe_dtype(dtype:str|torch.dtype|None="auto", device="cpu") -> torch.dtype:
+    "The entropy probe's scoring dtype: 'auto' = float64 on CPU, float32 on GPU; bf16 and fp16 are refused."
+    if dtype in (None, "", "auto"): return torch.float64 if torch.device(device).type == "cpu" else torch.float32
+    d = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if d in (torch.bfloat16, torch.float16):
+        name = str(d).replace("torch.", "")
+        raise ValueError(f"dtype={name}: the entropy probe refuses to score in {name}: a step of relative size 1e-5 "
+                         f"is below {name}'s resolution (relative spacing {torch.finfo(d).eps:.1e}), so ΔH_true and "
+                         "ΔH₁ would be rounding; use float64 (the CPU default) or float32")
+    if d not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype={dtype!r}: expected 'auto', 'float64' or 'float32'")
+    return d
+
+def _rms_norm_forward(self, hidden_states:Tensor) -> Tensor:
+    "Llama-style RMSNorm in max(input dtype, float32): float64 stays float64, the rest as transformers computes it."
+    dt = hidden_states.dtype
+    h = hidden_states.to(torch.promote_types(dt, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * h.to(dt)
+
+def full_precision_norms(model) -> int:
+    "Llama-style RMSNorms (a `variance_epsilon` and a `weight`) of `model` compute float64 in float64; the count."
+    n = 0
+    for m in model.modules():
+        if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and hasattr(m, "weight"):
+            m.forward = types.MethodType(_rms_norm_forward, m); n += 1
+    return n
+
+def probe_copy(
+    sp:SequenceProcessor,             # scores the run's model
+    optimizer:torch.optim.Optimizer,  # steps its parameters
+    dtype:torch.dtype,
+)->tuple[SequenceProcessor, torch.optim.Optimizer]:  # the same pair (norms made float64) when already in `dtype`
+    "A copy of the model in `dtype` with its own SequenceProcessor and an optimizer of the same kind, state cast."
+    if all(p.dtype == dtype for p in sp.model.parameters() if p.is_floating_point()):
+        if dtype == torch.float64: full_precision_norms(sp.model)
+        return sp, optimizer
+    model = copy.deepcopy(sp.model).to(dtype)
+    if dtype == torch.float64: full_precision_norms(model)
+    name = {id(p): n for n, p in sp.model.named_parameters()}
+    new = dict(model.named_parameters())
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [new[name[id(p)]] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    opt = type(optimizer)(groups)
+    opt.load_state_dict(optimizer.state_dict())                      # floating-point state cast to the new dtype
+    return SequenceProcessor(model, sp.tokenizer, sp.config, progress=sp.progress), opt
+
+# %% ../nbs/02_delta_entropy_is.ipynb #f4d4a3a5
 class DeltaEntropyIS:
     "True one-step entropy change of the sampling distribution: real step on U, SNIS re-scoring of E, exact restore."
     def __init__(self, model, config:GenerationConfig, logger=None, sequence_processor:SequenceProcessor|None=None,
@@ -128,29 +224,49 @@ class DeltaEntropyIS:
     )->dict:
         "H on E before and after one real Dr.GRPO step on U (SNIS on the same E), everything restored afterwards."
         cfg = importance_config(cfg_importance)
+        return self.entropy_changes(E_batch, U_batch, optimizer, [cfg["lr"]], cfg, scheduler)[0]
+
+    def entropy_changes(
+        self,
+        E_batch,                    # probe batch or BatchedSequences (this rank's share)
+        U_batch:dict,               # probe batch with advantages (this rank's share)
+        optimizer:torch.optim.Optimizer,
+        lrs:list,                   # one real step per learning rate (None: the optimizer's own)
+        cfg_importance:dict|None=None,    # keys of IMPORTANCE_DEFAULTS ("lr" is ignored: `lrs` sets it)
+        scheduler=None,
+        on_nonfinite:str="raise",   # "nan": a NaN log-weight or an all-zero weight set gives NaNs and a note
+    )->list[dict]:                  # one `entropy_change` result per lr, in the order given
+        "`entropy_change` at several lrs: E scored at θ and the U gradient computed once; restored after each step."
+        cfg = importance_config(cfg_importance)
+        check_choice("on_nonfinite", on_nonfinite, ("raise", "nan"))
+        lrs = list(lrs)
+        if not lrs: raise ValueError("lrs=[]: expected at least one learning rate")
+        for lr in lrs:
+            if lr is not None: check_range("lr", lr, 0)
         E = as_batched_sequences(E_batch, "E_batch")
         if not isinstance(U_batch, dict):
             raise ValueError(f"U_batch: expected a probe batch dict with advantages, got {type(U_batch).__name__}")
-        U, adv = as_batched_sequences(U_batch, "U_batch"), U_batch["advantages"]
+        as_batched_sequences(U_batch, "U_batch")
+        adv = U_batch["advantages"]
         notes, t0 = [], time.perf_counter()
         if float(all_reduce_sum([torch.tensor([float((adv != 0).sum())], dtype=torch.float64)])[0][0]) == 0:
             notes.append("all advantages are zero: the policy-gradient step is zero (only weight decay moves θ)")
         state = TrainingState(self.model, optimizer, scheduler)
         t_snap, timings = time.perf_counter() - t0, {}
-        try: out = self._measure(E, U, adv, optimizer, cfg, notes, timings)
+        try: outs = self._measure(E, U_batch, optimizer, cfg, lrs, notes, timings, state, on_nonfinite)
         finally:
             t = time.perf_counter()
             state.restore()
             t_restore = time.perf_counter() - t
-        out.update(seconds=time.perf_counter() - t0, seconds_snapshot_restore=t_snap + t_restore,
-                   **{f"seconds_{k}": v for k, v in timings.items()})
         mode = cfg["entropy_mode"].upper()
-        self._log("Original entropy (%s): %.6f", mode, out["H_orig"])
-        self._log("Updated entropy (%s, SNIS): %.6f  (fixed support %.6f)", mode, out["H_upd"],
-                  out["H_upd_fixed_support"])
-        self._log("ESS: %.1f / %d; log w in [%.3g, %.3g]; %d sequences with weight 0", out["ess"], out["n_E"],
-                  out["logw_min"], out["logw_max"], out["n_zero_weight_sequences"])
-        return out
+        for out in outs:
+            out.update(seconds=time.perf_counter() - t0, seconds_snapshot_restore=t_snap + t_restore,
+                       **{f"seconds_{k}": v for k, v in timings.items()})
+            self._log("lr %s: original entropy (%s): %.6f; updated (SNIS): %.6f (fixed support %.6f); ESS %.1f / %d; "
+                      "%d sequences with weight 0; covered mass %.4f", out["lr"], mode, out["H_orig"], out["H_upd"],
+                      out["H_upd_fixed_support"], out["ess"], out["n_E"], out["n_zero_weight_sequences"],
+                      out["coverage"])
+        return outs
 
     def entropy_change_two_batch(self, model, E_batch, U_batch:dict, optimizer, cfg_importance:dict|None=None,
                                  scheduler=None) -> dict:
@@ -158,28 +274,76 @@ class DeltaEntropyIS:
         if model is not self.model: raise ValueError("model is not the one this DeltaEntropyIS was built for")
         return self.entropy_change(E_batch, U_batch, optimizer, cfg_importance, scheduler)
 
-    def _measure(self, E, U, adv, optimizer, cfg, notes, timings) -> dict:
-        "Score E at θ, step on U, score E at θ⁺ (and on θ's kept sets), combine; the caller restores the state."
+    def _measure(self, E, U_batch, optimizer, cfg, lrs, notes, timings, state, on_nonfinite) -> list[dict]:
+        "Score E at θ, the U gradient, then per lr: step, score E at θ⁺ (own and θ's kept sets), combine, restore."
         sp, t = self.sequence_processor(), time.perf_counter()
-        before = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], return_support=True)
+        growth = cfg["support_growth"]
+        before = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], return_support=True, per_token=growth)
         timings["score_theta"], t = time.perf_counter() - t, time.perf_counter()
-        if cfg["lr"] is not None:
-            for g in optimizer.param_groups: g["lr"] = cfg["lr"]
-        optimizer.zero_grad(set_to_none=True)
-        upd = policy_gradient_backward(sp, U, adv, length_norm=cfg["length_norm"], clip_eps=cfg["clip_eps"])
-        optimizer.step()
-        timings["update"], t = time.perf_counter() - t, time.perf_counter()
-        after = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], return_support=True)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        upd = update_backward(sp, U_batch, params, cfg)
+        grads = {p: p.grad.detach().clone() for p in params if p.grad is not None}
+        lr0 = [g["lr"] for g in optimizer.param_groups]
+        timings["update"], timings["score_theta_plus"], outs = time.perf_counter() - t, 0.0, []
+        names = {p: n for n, p in self.model.named_parameters()}
+        for i, lr in enumerate(lrs):
+            if i:
+                state.restore()
+                for p in params: p.grad = grads[p].clone() if p in grads else None
+            for g, l in zip(optimizer.param_groups, lr0): g["lr"] = l if lr is None else lr
+            optimizer.step()
+            t = time.perf_counter()
+            out = self._after_step(sp, E, before, cfg, list(notes), on_nonfinite)
+            timings["score_theta_plus"] += time.perf_counter() - t
+            delta = {names[p]: p.detach() - state.tensors[names[p]] for p in params if names.get(p) in state.tensors}
+            out.update(lr=lr0[0] if lr is None else lr, update_loss=upd["loss"], n_U_tokens=upd["n_tokens"],
+                       grad_norm=upd["grad_norm"], clip_coef=upd["clip_coef"],
+                       delta_theta_norm=math.sqrt(sum(float((d.double() ** 2).sum()) for d in delta.values())))
+            if cfg["return_delta"]: out["delta_theta"] = {n: d.clone() for n, d in delta.items()}
+            outs.append(out)
+        return outs
+
+    def _after_step(self, sp, E, before, cfg, notes, on_nonfinite) -> dict:
+        "Score E at θ⁺ (own kept sets, θ's kept sets, and their intersection when sets changed) and combine."
+        after = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], return_support=True,
+                         per_token=cfg["support_growth"])
         truncated = before["support"] is not None
         fixed = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], support=before["support"]) if truncated else after
-        timings["score_theta_plus"] = time.perf_counter() - t
-        out = self._combine(before, after, fixed, cfg, notes)
-        out.update(update_loss=upd["loss"], n_U_tokens=upd["n_tokens"],
-                   n_support_changed_positions=_changed_positions(before["support"], after["support"]))
+        changed = _changed_rows(before["support"], after["support"])
+        growth = self._support_growth(sp, E, before, after, changed, cfg)
+        try: out = self._combine(before, after, fixed, cfg, notes)
+        except FloatingPointError as e:
+            if on_nonfinite == "raise": raise
+            nan = float("nan")
+            out = dict(H_orig=float(before["S"].mean()), H_upd=nan, deltaH_true=nan, H_upd_fixed_support=nan,
+                       deltaH_true_fixed_support=nan, deltaH_support_change=nan, deltaH_true_se=nan,
+                       deltaH_true_fixed_support_se=nan, ess=nan, ess_frac=nan, n_E=int(before["S"].numel()),
+                       coverage=nan, coverage_se=nan, logw_max=nan, logw_min=nan, logw_mean=nan, sum_weights=nan,
+                       n_zero_weight_sequences=int((after["out"] & ~before["out"]).any(-1).sum()),
+                       frac_tokens_left_support=nan, n_tokens_outside_support_at_theta=int(before["out"].sum()),
+                       entropy_mode=cfg["entropy_mode"], weights=cfg["weights"], notes=notes + [str(e)])
+        out.update(growth, n_support_changed_positions=0 if changed is None else int(changed.sum()))
         return all_reduce_counts(out, ["n_support_changed_positions"])
 
+    def _support_growth(self, sp, E, before, after, changed, cfg) -> dict:
+        "θ⁺'s kept-set mass on tokens kept at θ⁺ but not at θ: mean per position, mean summed per sequence, max."
+        new = None
+        if cfg["support_growth"] and changed is not None and bool(changed.any()):
+            inter = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], per_token=True,
+                             support=_intersect_support(before["support"], after["support"], changed))
+            new = (-torch.expm1(after["logq_tok"] - inter["logq_tok"])).clamp_min(0) * after["mask"]
+        dev, n_seq = before["S"].device, before["S"].numel()
+        tot = torch.tensor([0.0 if new is None else float(new.sum()), float(before["n_tok"]), float(n_seq)],
+                           dtype=torch.float64, device=dev)
+        all_reduce_sum([tot])
+        mx = all_reduce_extreme(torch.tensor(0.0 if new is None else float(new.max()), dtype=torch.float64,
+                                             device=dev), "max")
+        return dict(support_new_mass_per_position=float(tot[0] / tot[1].clamp_min(1)),
+                    support_new_mass_per_sequence=float(tot[0] / tot[2].clamp_min(1)),
+                    support_new_mass_max=float(mx))
+
     def _combine(self, before, after, fixed, cfg, notes) -> dict:
-        "Global H_orig, H_upd (true and fixed-support), ESS and weight diagnostics from per-sequence quantities."
+        "Global H_orig, H_upd (true and fixed-support), ESS, SEs, coverage and weight diagnostics."
         base = torch.stack([before["S"].sum(), before["L"].sum(),
                             torch.tensor(float(before["S"].numel()), dtype=torch.float64),
                             torch.tensor(float(before["n_tok"]), dtype=torch.float64),
@@ -191,15 +355,17 @@ class DeltaEntropyIS:
         if torch.isnan(logw).any():
             raise FloatingPointError(f"log w has {int(torch.isnan(logw).sum())} NaN entries (state restored)")
         true, fix = _snis(logw, after["S"], after["L"], zero), _snis(fixed["logq"] - before["logq"], fixed["S"],
-                                                                     fixed["L"],
-                                                                   torch.zeros_like(zero))
+                                                                     fixed["L"], torch.zeros_like(zero))
         if float(true["sw"]) == 0:
             raise FloatingPointError("every E sequence left the θ⁺ support: all importance weights are 0 (state "
                                      "restored)")
         H_orig, H_upd, H_fix = sumS / n_E, float(true["swS"] / true["sw"]), float(fix["swS"] / fix["sw"])
         finite = logw[~zero]
+        # delta-method influence of each E sequence on ΔH (paired: the same sequence at θ and θ⁺)
+        psi = lambda r, S, H: (r["w"] * (n_E / r["sw"])) * (S - H) - (before["S"] - H_orig)
         stats = torch.stack([finite.sum(), torch.tensor(float(finite.numel()), dtype=torch.float64),
-                             zero.sum().double()])
+                             zero.sum().double(), (psi(true, after["S"], H_upd) ** 2).sum(),
+                             (psi(fix, fixed["S"], H_fix) ** 2).sum()])
         all_reduce_sum([stats])
         lmin = all_reduce_extreme(finite.min() if finite.numel() else torch.tensor(float("inf"), dtype=torch.float64),
                                   "min")
@@ -208,9 +374,15 @@ class DeltaEntropyIS:
             notes.append(f"ESS {ess:.1f} is below min_ess_frac={cfg['min_ess_frac']} of |E|={int(n_E)}: the SNIS "
                          "estimate is unreliable")
             warnings.warn(notes[-1])
+        se = lambda s: math.sqrt(float(s) / (n_E * (n_E - 1))) if n_E > 1 else float("nan")
+        scale = math.exp(float(true["max"]))                     # back to the unnormalised weights q_θ⁺ / q_θ
+        mean_w, mean_w2 = float(true["sw"]) / n_E, float(true["sw2"]) / n_E
         out = dict(H_orig=H_orig, H_upd=H_upd, deltaH_true=H_upd - H_orig,
                    H_upd_fixed_support=H_fix, deltaH_true_fixed_support=H_fix - H_orig,
-                   deltaH_support_change=H_upd - H_fix, ess=ess, ess_frac=ess / n_E, n_E=int(n_E),
+                   deltaH_support_change=H_upd - H_fix, deltaH_true_se=se(stats[3]),
+                   deltaH_true_fixed_support_se=se(stats[4]), ess=ess, ess_frac=ess / n_E, n_E=int(n_E),
+                   coverage=scale * mean_w,
+                   coverage_se=scale * math.sqrt(max(mean_w2 - mean_w ** 2, 0.0) / max(n_E - 1, 1)),
                    logw_max=float(true["max"]), logw_min=float(lmin),
                    logw_mean=float(stats[0] / max(float(stats[1]), 1)),
                    sum_weights=float(true["sw"]), n_zero_weight_sequences=int(stats[2]),
@@ -222,3 +394,38 @@ class DeltaEntropyIS:
             out.update(deltaH_true_tok=out["H_upd_tok"] - out["H_orig_tok"],
                        deltaH_true_fixed_support_tok=out["H_upd_fixed_support_tok"] - out["H_orig_tok"])
         return out
+
+    @torch.no_grad()
+    def noise_floor(
+        self,
+        E_batch,                    # probe batch or BatchedSequences (this rank's share)
+        draws:int=2,                # random one-ulp perturbations; the floor is the largest |change|
+        seed:int=0,
+        cfg_importance:dict|None=None,  # entropy_mode and weights as in entropy_change
+    )->dict:                        # floor (largest |diff|, at least one ulp of H), diffs (signed, per draw), dtype
+        "What this dtype cannot resolve: the SNIS change of H on E (θ's kept sets) when every parameter moves one ulp."
+        cfg = importance_config(cfg_importance)
+        check_range("draws", draws, 1, integer=True)
+        sp, E = self.sequence_processor(), as_batched_sequences(E_batch, "E_batch")
+        before = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], return_support=True)
+        tot = all_reduce_sum([torch.tensor([float(before["S"].sum()), float(before["S"].numel())],
+                                           dtype=torch.float64)])[0]
+        H_orig = float(tot[0] / tot[1])
+        params = [p for p in self.model.parameters() if p.is_floating_point()]
+        saved, gen, diffs = [p.detach().clone() for p in params], torch.Generator().manual_seed(seed), []
+        zero = torch.zeros_like(before["out"].any(-1))
+        try:
+            for _ in range(draws):
+                for p, s in zip(params, saved):
+                    up = (torch.rand(s.shape, generator=gen) < 0.5).to(s.device)
+                    inf = torch.tensor(float("inf"), dtype=s.dtype, device=s.device)
+                    p.copy_(torch.nextafter(s, torch.where(up, inf, -inf)))
+                pert = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], support=before["support"])
+                r = _snis(pert["logq"] - before["logq"], pert["S"], pert["L"], zero)
+                diffs.append(float(r["swS"] / r["sw"]) - H_orig)
+        finally:
+            for p, s in zip(params, saved): p.copy_(s)
+        dt = next(self.model.parameters()).dtype
+        res = torch.finfo(dt).eps * abs(H_orig)                         # one ulp of H itself
+        return dict(floor=max([res] + [abs(d) for d in diffs]), diffs=diffs, dtype=str(dt).replace("torch.", ""),
+                    H_orig=H_orig)

@@ -21,8 +21,8 @@ from .projection_arms import ProjectionArm, project_grad
 from .utils import check_choice, check_range, clean_json, row_cosines, welch
 
 # %% auto #0
-__all__ = ['SLIM_KEYS', 'save_step_slim', 'load_slim', 'Phase2Recorder', 'load_steps', 'verification_table', 'decide',
-           'pool_flags']
+__all__ = ['SLIM_KEYS', 'LISTED_VERDICTS', 'save_step_slim', 'load_slim', 'Phase2Recorder', 'load_steps', 'verification_table',
+           'decide', 'pool_flags', 'entropy_probe_row']
 
 # %% ../nbs/06_phase2.ipynb #2810ba01
 SLIM_KEYS = ("step", "sample_id", "src_pool", "src_step", "src_sample", "reward", "hacked", "gt_pass", "fmt_ok",
@@ -376,6 +376,8 @@ def verification_table(
     return rows, md
 
 # %% ../nbs/06_phase2.ipynb #62097907
+LISTED_VERDICTS = ("likely fail", "sneaky fail", "fail", "inconclusive", "below noise floor")  # listed as rules
+
 def decide(
     rows:list[dict],           # verification_table's rows
     flags:list[str]=(),        # data problems found elsewhere (pool hack rate, base reward), each a sentence
@@ -384,7 +386,7 @@ def decide(
     by = lambda key: [r for r in rows if r["key"] == key]
     ok = lambda key: any(r["verdict"] == "success" for r in by(key))
     rules = [f"{r['metric']} [{r['arm']}]: {r['verdict']} — {r['detail']}" for r in rows
-             if r["verdict"] in ("likely fail", "sneaky fail", "fail", "inconclusive") and r["detail"]]
+             if r["verdict"] in LISTED_VERDICTS and r["detail"]]
     rules += list(flags)
     spread_bad = any(r["verdict"] == "likely fail" for r in by("reward_spread"))
     effective = ok("step_along_v") or ok("norm_removed")
@@ -407,3 +409,17 @@ def pool_flags(pools:list, teacher_min_hack:float=0.5, base_min_reward:float=0.5
     if max(float(r["reward"]) for r in base) <= base_min_reward:
         flags.append(f"base pool never earns more than {base_min_reward} (one-sided variance)")
     return flags
+
+# %% ../nbs/06_phase2.ipynb #41d41644
+def entropy_probe_row(
+    probe:dict,                # probes.run_mixed_probe's result (or its metrics.json copy)
+    arm:str="vanilla",         # the arm whose update the probe measured
+)->dict:                       # a verification-table row (key "entropy_probe")
+    "The verification-table row of the entropy probe: its verdict, the slope on the lrs above the floor, the floor."
+    lo, hi = probe.get("slope_range", (1.6, 2.5))
+    q, n = probe["qualifying_lrs"], len(probe["rows"])
+    value = f"gap slope {_fmt(probe['slope'], '.2f')} on {len(q)}/{n} lrs above the floor" + \
+        (f" ({', '.join(f'{x:g}' for x in q)})" if q else "")
+    null = f"noise floor {probe['floor']:.1e} ({probe['dtype']}): an lr counts at |gap| > {probe['floor_factor']:g}× it"
+    return _row("entropy_probe", f"ΔH₁ predicts the fixed-support ΔH_true (gap slope in [{lo}, {hi}])", arm, value,
+                null, probe.get("verdict") or "inconclusive", probe.get("detail") or "")

@@ -6,24 +6,26 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/probes.html.md"""
 
 # %% ../nbs/04_probes.ipynb #43cf5c9b
 from __future__ import annotations
-import copy, math, random
+import copy, math, random, time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .delta_entropy_is import DeltaEntropyIS
+from .delta_entropy_is import (DeltaEntropyIS, importance_config, probe_copy, probe_dtype,
+                                           update_backward)
 from .dist import all_reduce_sum
 from .dr_grpo import group_advantages, policy_gradient_backward
 from .sequence_processor import (GenerationConfig, LogprobResults, SequenceProcessor, as_batched_sequences,
                                              make_probe_batch)
+from .training import TrainConfig
 from .utils import check_choice, check_range, markdown_table
 
 # %% auto #0
-__all__ = ['E_SAMPLING_MODES', 'GRAD_H_ESTIMATORS', 'BatchConfig', 'ProbeComponents', 'optimizer_delta', 'naive_optimizer_delta',
-           'entropy_gradient', 'naive_entropy_derivative', 'covariance_predictor', 'first_order_delta_entropy',
-           'run_mixed_probe', 'plot_mixed_probe']
+__all__ = ['E_SAMPLING_MODES', 'GRAD_H_ESTIMATORS', 'PROBE_COLUMNS', 'BatchConfig', 'ProbeComponents', 'optimizer_delta',
+           'naive_optimizer_delta', 'update_delta', 'update_settings', 'entropy_gradient', 'naive_entropy_derivative',
+           'covariance_predictor', 'first_order_delta_entropy', 'run_mixed_probe', 'probe_table', 'plot_mixed_probe']
 
 # %% ../nbs/04_probes.ipynb #27787347
 E_SAMPLING_MODES = ("replacement", "distinct")
@@ -146,6 +148,35 @@ def naive_optimizer_delta(optimizer:torch.optim.Optimizer, lr:float|None=None) -
             for p, s in zip(params, saved): p.copy_(s)
         optimizer.load_state_dict(state)
 
+# %% ../nbs/04_probes.ipynb #a1087984
+def update_delta(
+    sp:SequenceProcessor,
+    U_batch:dict,               # probe batch with advantages (and "ref_logp" when beta > 0)
+    optimizer:torch.optim.Optimizer,
+    lr:float|None=None,         # override every group's learning rate
+    check_step:bool=False,      # also the relative error against a real (undone) step
+    **update,                   # length_norm, clip_eps, beta, max_grad_norm (`update_settings(train_config)`)
+)->tuple[dict, dict]:           # ({param: Δθ}, update_backward's result)
+    "Δθ of the training update on U (Dr.GRPO gradient clipped as `train` clips it) from the optimizer state; no step."
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved = [p.grad for p in params]
+    try:
+        info = update_backward(sp, U_batch, params, update)
+        d = optimizer_delta(optimizer, lr)
+        if check_step:
+            real = naive_optimizer_delta(optimizer, lr)
+            num = sum(float(((d[p] - r) ** 2).sum()) for p, r in real.items())
+            info["delta_theta_rel_error"] = math.sqrt(num / max(sum(float((r ** 2).sum()) for r in real.values()),
+                                                                1e-300))
+        return d, info
+    finally:
+        for p, g in zip(params, saved): p.grad = g
+
+def update_settings(train_config:TrainConfig|None=None) -> dict:
+    "The update `train` takes under `train_config` (default `TrainConfig()`), as `cfg_importance` keys."
+    c = train_config if train_config is not None else TrainConfig()
+    return dict(length_norm=c.length_norm, clip_eps=c.clip_eps, beta=c.beta, max_grad_norm=c.max_grad_norm)
+
 # %% ../nbs/04_probes.ipynb #7d5e2175
 GRAD_H_ESTIMATORS = ("snis", "causal")
 
@@ -213,14 +244,22 @@ def naive_entropy_derivative(
     return (f(eps) - f(-eps)) / (2 * eps)
 
 # %% ../nbs/04_probes.ipynb #f6fd1704
-def covariance_predictor(E:dict, sp:SequenceProcessor|None=None, logprobs:LogprobResults|None=None) -> float:
-    "Cov(log q, A) over E tokens (global); Cui et al.'s predictor of the entropy change is −lr × this."
+def covariance_predictor(
+    E:dict,                     # probe batch with advantages (the update batch U for the probe's predictor)
+    sp:SequenceProcessor|None=None,
+    logprobs:LogprobResults|None=None,  # an earlier no-grad pass over the same batch (saves one)
+    per:str="token",            # "token": Cov(log q, A) over tokens; "sequence": its sum along a sequence
+)->float:
+    "Cov(log q, A) over the batch's tokens (global); Cui et al.'s predictor of the entropy change is −lr × this."
+    check_choice("per", per, ("token", "sequence"))
     res = logprobs if logprobs is not None else sp.teacher_force_logprobs(as_batched_sequences(E, "E_batch"),
                                                                           compute_rb=False)[0]
     m = res.gen_mask.to(torch.float64)
     lq, A = res.logprobs.double() * m, E["advantages"].double().to(m.device)[..., None] * m
-    s = all_reduce_sum([torch.stack([(lq * A).sum(), lq.sum(), A.sum(), m.sum()])])[0]
-    return float(s[0] / s[3] - (s[1] / s[3]) * (s[2] / s[3]))
+    n_seq = torch.tensor(float(E["advantages"].numel()), dtype=torch.float64, device=m.device)
+    s = all_reduce_sum([torch.stack([(lq * A).sum(), lq.sum(), A.sum(), m.sum(), n_seq])])[0]
+    cov = float(s[0] / s[3] - (s[1] / s[3]) * (s[2] / s[3]))
+    return cov if per == "token" else cov * float(s[3] / s[4])
 
 def first_order_delta_entropy(
     sp:SequenceProcessor,
@@ -231,22 +270,20 @@ def first_order_delta_entropy(
     estimator:str="snis",
     length_norm:str="max_len",
     check_step:bool=False,      # also report Δθ's relative error against a real (undone) step
+    *,
+    clip_eps:float|tuple=0.2,
+    beta:float=0.0,             # > 0 needs U_batch["ref_logp"]
+    max_grad_norm:float|None=None,  # clip the U gradient as `train` does (TrainConfig's default is 1.0)
 )->dict:
-    "ΔH₁ = ⟨∇H(E), Δθ⟩ with Δθ rebuilt from the optimizer state and the Dr.GRPO gradient on U; no step is kept."
+    "ΔH₁ = ⟨∇H(E), Δθ⟩ with Δθ of the training update on U rebuilt from the optimizer state; no step is kept."
     params = [p for p in sp.model.parameters() if p.requires_grad]
     gH, info = entropy_gradient(sp, E_batch, estimator, params)
     res = info.pop("logprobs")
-    saved = [p.grad for p in params]
-    for p in params: p.grad = None
-    upd = policy_gradient_backward(sp, as_batched_sequences(U_batch, "U_batch"), U_batch["advantages"],
-                                   length_norm=length_norm)
-    d = optimizer_delta(optimizer, lr)
-    out = dict(info, estimator=estimator, update_loss=upd["loss"])
-    if check_step:
-        real = naive_optimizer_delta(optimizer, lr)
-        num = sum(float(((d[p] - r) ** 2).sum()) for p, r in real.items())
-        out["delta_theta_rel_error"] = math.sqrt(num / max(sum(float((r ** 2).sum()) for r in real.values()), 1e-300))
-    for p, g in zip(params, saved): p.grad = g
+    d, upd = update_delta(sp, U_batch, optimizer, lr, check_step, length_norm=length_norm, clip_eps=clip_eps,
+                          beta=beta, max_grad_norm=max_grad_norm)
+    out = dict(info, estimator=estimator, update_loss=upd["loss"], grad_norm=upd["grad_norm"],
+               clip_coef=upd["clip_coef"])
+    if check_step: out["delta_theta_rel_error"] = upd["delta_theta_rel_error"]
     out["deltaH1"] = sum(float((g.double() * d[p].double()).sum()) for p, g in zip(params, gH) if p in d)
     out["grad_H_norm"] = math.sqrt(sum(float((g.double() ** 2).sum()) for g in gH))
     out["delta_theta_norm"] = math.sqrt(sum(float((v.double() ** 2).sum()) for v in d.values()))
@@ -255,6 +292,49 @@ def first_order_delta_entropy(
     return out
 
 # %% ../nbs/04_probes.ipynb #7f49d3e7
+def _check_training_optimizer(opt:torch.optim.Optimizer, c:TrainConfig):
+    "The optimizer `train` builds for config `c`: AdamW with its betas, eps and weight decay."
+    g = opt.param_groups[0]
+    got = (type(opt).__name__, tuple(g.get("betas", ())), g.get("eps"), g.get("weight_decay"))
+    want = ("AdamW", (c.adam_beta1, c.adam_beta2), c.adam_epsilon, c.weight_decay)
+    if got != want:
+        raise ValueError(f"optimizer (type, betas, eps, weight_decay)={got}: train_config's update uses {want}; the "
+                         "probe would not measure the training update")
+
+def _probe_row(t:dict, dH1:float, cov:float, min_ess_frac:float) -> dict:
+    "One lr's row: ΔH₁, ΔH_true and its parts, the signed gap, the covariance predictor, diagnostics and flags."
+    lr, flags = t["lr"], []
+    if not all(math.isfinite(v) for v in (t["deltaH_true"], t["deltaH_true_fixed_support"])):
+        flags.append("nonfinite_deltaH_true")
+    elif t["ess"] < min_ess_frac * t["n_E"]: flags.append("low_ess")
+    if not math.isfinite(dH1): flags.append("nonfinite_deltaH1")
+    keys = ("deltaH_true", "deltaH_true_se", "deltaH_true_fixed_support", "deltaH_support_change", "ess", "coverage",
+            "support_new_mass_per_sequence", "support_new_mass_max", "n_support_changed_positions",
+            "n_zero_weight_sequences", "delta_theta_norm")
+    return dict(lr=lr, deltaH1=dH1, **{k: t[k] for k in keys[:4]}, gap=t["deltaH_true_fixed_support"] - dH1,
+                cov_predictor=-lr * cov, cov_ratio=-lr * cov / t["deltaH_true"] if t["deltaH_true"] else float("nan"),
+                **{k: t[k] for k in keys[4:]}, flags=flags)
+
+def _verdict(rows, floor, factor, lo, hi, need, lr_step) -> dict:
+    "Which lrs qualify, the slope on them, and the verdict (success / fail / below noise floor) with its detail."
+    for r in rows: r["qualifies"] = not r["flags"] and abs(r["gap"]) > factor * floor
+    q = [r for r in rows if r["qualifies"]]
+    slope = float(np.polyfit(np.log([r["lr"] for r in q]), np.log([abs(r["gap"]) for r in q]), 1)[0]) \
+        if len(q) >= 2 else float("nan")
+    one_sign = len({r["gap"] > 0 for r in q}) <= 1
+    out = dict(slope=slope, qualifying_lrs=[r["lr"] for r in q], one_sign=one_sign, try_lrs=[])
+    if len(q) >= need and lo <= slope <= hi and one_sign: return dict(out, verdict="success", detail="")
+    if len(q) >= need:
+        why = f"slope {slope:.2f} outside [{lo}, {hi}]" if not lo <= slope <= hi else "the gap changes sign"
+        return dict(out, verdict="fail", detail=f"{why} on {len(q)} qualifying lrs: not in the second-order regime")
+    ok = [r for r in rows if not r["flags"] and r["gap"] != 0]
+    top = max(r["lr"] for r in ([r for r in rows if not r["flags"]] or rows))
+    ref = max(ok, key=lambda r: r["lr"]) if ok else None
+    start = max(top * lr_step, ref["lr"] * math.sqrt(3 * factor * floor / abs(ref["gap"])) if ref else 0.0)
+    try_lrs = [float(f"{start * lr_step ** k:.2g}") for k in range(3)]
+    return dict(out, verdict="below noise floor", try_lrs=try_lrs,
+                detail=f"{len(q)} of {len(rows)} lrs clear {factor:g}× the floor {floor:.1e}; try lrs {try_lrs}")
+
 def run_mixed_probe(
     sp:SequenceProcessor,
     E_batch:dict,
@@ -262,43 +342,86 @@ def run_mixed_probe(
     optimizer:torch.optim.Optimizer,
     lrs=(1e-3, 3e-4, 1e-4, 3e-5, 1e-5),
     estimator:str="snis",
-    cfg_importance:dict|None=None,  # passed to DeltaEntropyIS.entropy_change (lr is set per row)
+    cfg_importance:dict|None=None,  # passed to DeltaEntropyIS (lr is set per row; min_ess_frac flags rows)
     scheduler=None,
     plot:bool=True,
-)->dict:                            # rows, slope, table (markdown), figure
-    "ΔH₁ vs ΔH_true (fixed-support and support-change parts) vs the covariance predictor across learning rates."
+    *,
+    train_config:TrainConfig|None=None,  # the update (clipping, normaliser, KL); None: TrainConfig()'s
+    dtype:str="auto",               # scoring dtype of the probe's copy: "auto" (float64 CPU, float32 GPU), "float64"…
+    floor_draws:int=2,              # one-ulp perturbations measuring the floor
+    floor_factor:float=10.0,        # an lr qualifies when |gap| > floor_factor × floor
+    min_qualifying:int=3,           # qualifying lrs the verdict needs
+    max_extra_lrs:int=2,            # lrs added above the grid (× lr_step) while too few qualify
+    lr_step:float=3.0,
+    slope_range:tuple=(1.6, 2.5),
+)->dict:                            # rows, slope, floor, verdict, detail, try_lrs, flags, table, figure, …
+    "ΔH₁ vs ΔH_true (fixed-support and support-change parts) vs the covariance predictor, above the noise floor."
     lrs = sorted(float(x) for x in lrs)
     if not lrs or lrs[0] <= 0: raise ValueError(f"lrs={lrs}: expected positive learning rates")
-    one = first_order_delta_entropy(sp, E_batch, U_batch, optimizer, lr=1.0, estimator=estimator)
-    probe = DeltaEntropyIS(sp.model, sp.config, sequence_processor=sp)
-    rows = []
-    for lr in lrs:
-        t = probe.entropy_change(E_batch, U_batch, optimizer, {**(cfg_importance or {}), "lr": lr}, scheduler)
-        rows.append(dict(lr=lr, deltaH1=lr * one["deltaH1"], deltaH_true=t["deltaH_true"],
-                         deltaH_true_fixed_support=t["deltaH_true_fixed_support"],
-                         deltaH_support_change=t["deltaH_support_change"],
-                         cov_predictor=-lr * one.get("cov_logq_adv", float("nan")), ess=t["ess"],
-                         n_support_changed_positions=t["n_support_changed_positions"],
-                         n_zero_weight_sequences=t["n_zero_weight_sequences"]))
-    for r in rows: r["gap"] = abs(r["deltaH_true_fixed_support"] - r["deltaH1"])
-    ok = [r for r in rows if r["gap"] > 0]
-    slope = float(np.polyfit(np.log([r["lr"] for r in ok]), np.log([r["gap"] for r in ok]),
-                             1)[0]) if len(ok) >= 2 else float("nan")
-    out = dict(rows=rows, slope=slope, H_orig=one["H_orig"], estimator=estimator, table=markdown_table(rows))
-    if plot: out["figure"] = plot_mixed_probe(rows, slope)
+    check_range("max_extra_lrs", max_extra_lrs, 0, integer=True)
+    check_range("lr_step", lr_step, 1, lo_open=True)
+    upd = update_settings(train_config)
+    if train_config is not None:
+        _check_training_optimizer(optimizer, train_config)
+        clash = {k: v for k, v in (cfg_importance or {}).items() if k in upd and v != upd[k]}
+        if clash: raise ValueError(f"cfg_importance {clash} contradicts train_config's update {upd}")
+    cfg = importance_config({**upd, **(cfg_importance or {})})
+    psp, popt = probe_copy(sp, optimizer, probe_dtype(dtype, sp.device))
+    probe, t0 = DeltaEntropyIS(psp.model, psp.config, sequence_processor=psp), time.perf_counter()
+    floor = probe.noise_floor(E_batch, floor_draws, cfg_importance=cfg)
+    one = first_order_delta_entropy(psp, E_batch, U_batch, popt, lr=1.0, estimator=estimator,
+                                    **{k: cfg[k] for k in upd})
+    cov = covariance_predictor(U_batch, psp, per="sequence")
+    sched = scheduler if popt is optimizer else None
+    measure = lambda ls: [_probe_row(t, t["lr"] * one["deltaH1"], cov, cfg["min_ess_frac"]) for t in
+                          probe.entropy_changes(E_batch, U_batch, popt, ls, cfg, sched, on_nonfinite="nan")]
+    rows = measure(lrs)
+    for _ in range(max_extra_lrs):
+        if _verdict(rows, floor["floor"], floor_factor, *slope_range, min_qualifying, lr_step)["verdict"] != \
+                "below noise floor": break
+        rows += measure([rows[-1]["lr"] * lr_step])
+    v = _verdict(rows, floor["floor"], floor_factor, *slope_range, min_qualifying, lr_step)
+    flags = [dict(name=f, lr=r["lr"]) for r in rows for f in r["flags"]]
+    if flags: v["detail"] = "; ".join([v["detail"]] * bool(v["detail"]) + [f"{f['name']} (lr={f['lr']:g})"
+                                                                            for f in flags])
+    out = dict(rows=rows, **v, floor=floor["floor"], floor_diffs=floor["diffs"], dtype=floor["dtype"],
+               floor_factor=floor_factor, slope_range=list(slope_range), flags=flags, H_orig=one["H_orig"],
+               estimator=estimator, cov_U_seq=cov, grad_norm=one["grad_norm"], clip_coef=one["clip_coef"],
+               update={k: cfg[k] for k in upd}, seconds=time.perf_counter() - t0, table=probe_table(rows))
+    if plot: out["figure"] = plot_mixed_probe(rows, v["slope"], floor["floor"], floor_factor)
     return out
 
-def plot_mixed_probe(rows:list, slope:float):
-    "Log–log |ΔH| against lr: true, fixed-support, first-order, covariance predictor, and the gap."
+# %% ../nbs/04_probes.ipynb #da743a30
+PROBE_COLUMNS = ("lr", "deltaH1", "deltaH_true", "deltaH_true_fixed_support", "deltaH_support_change", "gap",
+                 "qualifies", "cov_predictor", "cov_ratio", "ess", "coverage", "support_new_mass_per_sequence", "flags")
+
+def probe_table(rows:list, cols=PROBE_COLUMNS) -> str:
+    "Markdown table of the probe's rows (flags joined, '—' when none)."
+    return markdown_table([{**r, "flags": ", ".join(r["flags"]) or "—"} for r in rows], list(cols))
+
+def plot_mixed_probe(rows:list, slope:float, floor:float|None=None, floor_factor:float=10.0):
+    "Left: |ΔH| and the signed gap against lr (log–log) with the floor; right: fixed-support vs support-change parts."
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(5.5, 4))
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
     lr = [r["lr"] for r in rows]
     for key, style in (("deltaH_true", "o-"), ("deltaH_true_fixed_support", "s-"), ("deltaH1", "^--"),
-                       ("cov_predictor", "x:"), ("gap", "k.-")):
+                       ("cov_predictor", "x:")):
         y = [abs(r[key]) for r in rows]
-        if all(math.isfinite(v) and v > 0 for v in y): ax.loglog(lr, y, style, label=key)
-    ax.set(xlabel="learning rate", ylabel="|ΔH| (nats)", title=f"gap slope {slope:.2f} (expected ≈ 2)")
-    ax.legend(fontsize=7)
+        if all(math.isfinite(v) and v > 0 for v in y): ax[0].loglog(lr, y, style, label=f"|{key}|")
+    for sign, c in ((1, "tab:red"), (-1, "k")):
+        pts = [(r["lr"], abs(r["gap"]), r.get("qualifies", True)) for r in rows if r["gap"] * sign > 0]
+        for x, y, q in pts: ax[0].loglog(x, y, "D", color=c, mfc=c if q else "none")
+        if pts: ax[0].plot([], [], "D", color=c, label=f"gap {'> 0' if sign > 0 else '< 0'} (open: below floor)")
+    if floor: ax[0].axhline(floor_factor * floor, color="grey", ls="--", label=f"{floor_factor:g}× noise floor")
+    ax[0].set(xlabel="learning rate", ylabel="nats", title=f"gap slope {slope:.2f} (expected ≈ 2)")
+    ax[0].legend(fontsize=6)
+    x, w = np.arange(len(rows)), 0.38
+    ax[1].bar(x - w / 2, [r["deltaH_true_fixed_support"] / r["lr"] for r in rows], w, label="fixed support")
+    ax[1].bar(x + w / 2, [r["deltaH_support_change"] / r["lr"] for r in rows], w, label="support change")
+    ax[1].axhline(0, color="k", lw=0.5)
+    ax[1].set_xticks(x, [f"{v:.0e}" for v in lr])
+    ax[1].set(xlabel="learning rate", ylabel="ΔH / lr (nats per unit lr)", title="the two parts of ΔH_true")
+    ax[1].legend(fontsize=7)
     fig.tight_layout()
     plt.close(fig)
     return fig
