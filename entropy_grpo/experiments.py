@@ -16,7 +16,7 @@ from .utils import write_json
 # %% auto #0
 __all__ = ['TEMPLATES', 'DEMO_PARAMETERS', 'repo_root', 'template_path', 'git_sha', 'check_parameters', 'read_metrics',
            'run_status', 'log_run', 'run_notebook', 'hack_rate_separation', 'check_sweep_spec', 'make_executor',
-           'run_sweep', 'summarize', 'main']
+           'run_sweep', 'summarize', 'cli_parser', 'main']
 
 # %% ../nbs/07_experiments.ipynb #fa0d4a48
 TEMPLATES = {"phase1": "nbs/experiments/phase1_probe.ipynb", "phase2": "nbs/experiments/phase2_probe.ipynb",
@@ -300,8 +300,8 @@ def _kv(items) -> dict:
     return out
 
 # %% ../nbs/07_experiments.ipynb #34466c47
-def main(argv=None):
-    "The `entropy-grpo` command."
+def cli_parser() -> argparse.ArgumentParser:
+    "The `entropy-grpo` command's arguments: one subcommand per job."
     ap = argparse.ArgumentParser(prog="entropy-grpo", description="Measure and steer what one GRPO update does to a "
                                  "policy.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -332,7 +332,12 @@ def main(argv=None):
     po.add_argument("--hint", action="store_true", help="apply the lenient-grader hint (teacher pool)")
     po.add_argument("--steps", type=int, default=20); po.add_argument("--batch", type=int, default=8)
     po.add_argument("--seed", type=int, default=0); po.add_argument("--max-new-tokens", type=int, default=128)
-    a = ap.parse_args(argv)
+    return ap
+
+# %% ../nbs/07_experiments.ipynb #d2650dfb
+def main(argv=None):
+    "The `entropy-grpo` command."
+    a = cli_parser().parse_args(argv)
     root = repo_root()
     if a.cmd in ("demo", "probe"):
         exp = "demo" if a.cmd == "demo" else a.exp
