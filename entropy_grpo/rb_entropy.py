@@ -62,8 +62,13 @@ def naive_sampling_mask(
     return keep
 
 # %% ../nbs/01_rb_entropy.ipynb #7e6801dd
-_WINDOW = 16      # first top-k window (+1); rows whose nucleus reaches its edge retry with 8× the window, …, the whole row
-_Z_RTOL = 1e-5    # rows whose tail lies within _Z_RTOL·(1 + |lse|/8)·Z of (1 − top_p)·Z get the exact tail (≥ 20× the rounding)
+_WINDOW = 16      # first top-k window (+1); rows whose nucleus reaches its edge retry with 8× the window
+_Z_RTOL = 1e-5    # tails within _Z_RTOL·(1 + |lse|/8)·Z of (1 − top_p)·Z are recomputed exactly (≥ 20× the rounding)
+_HIST_AFTER = 136 # without top-k, rows whose nucleus reaches past a window this wide go to the histogram search
+_BLOCK = 1 << 20  # rows × V per histogram block: its [r, V] temporaries (17 bytes an entry) stay in reused memory
+_SHIFT = 20       # histogram key: float32 bits of p >> 20 (exponent, 3 mantissa bits): 8 bins an octave of p
+_LIMIT = 256      # crossing-bin tokens a row sorts; a row with more distinct ones bins them again, linearly in x
+_KEY = torch.int32 if torch.__version__ >= "2.8" else torch.int64   # scatter_add_ takes int32 indices since 2.8
 
 @dataclass
 class _Nucleus:
@@ -72,18 +77,21 @@ class _Nucleus:
     thr:Tensor     # [c] smallest kept (scaled) logit
     tied:Tensor    # [c] bool: the tokens equal to thr are only partly kept (sort order decides which)
     floor:Tensor   # [c] top-k threshold (−inf when off): TopP sorts the row with the tokens below it at −inf
-    groups:list    # [(rows [g], idx [g, K])]: idx[j, :n[rows[j]]] are row j's kept tokens, most probable first
+    groups:list    # [(rows [g], idx [g, K])]: idx[j, :n[rows[j]]] are row j's kept tokens, every one above thr first
+                   # (a window lists them most probable first, the histogram search in no particular order)
 
 def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=None) -> _Nucleus:
-    "Kept sets of x [c, V] (scaled logits, no grad) from growing top-k windows; lse [c] = x.logsumexp(-1) if known."
+    "Kept sets of x [c, V] (scaled logits, no grad): top-k windows, wide nuclei by histogram; lse [c] if known."
     c, V = x.shape
     k = min(max(top_k, min_keep), V)
     thresh = float(torch.tensor(1 - top_p, dtype=torch.float32))           # the warper compares float32 cumsums
     nuc = _Nucleus(x.new_zeros(c, dtype=torch.long), x.new_empty(c), x.new_zeros(c, dtype=torch.bool),
                    x.new_full((c,), -math.inf), [])
-    if top_p < 1 and not top_k and lse is None: lse = x.logsumexp(-1)
-    rows, W = torch.arange(c, device=x.device), min(V, (k if top_k else _WINDOW) + 1)
+    hist = top_p < 1 and not top_k                                            # wide nuclei go to _hist_nucleus
+    if hist and lse is None: lse = torch.cat([b.logsumexp(-1) for b in x.split(max(1, _BLOCK // V))])
+    rows, W, wide = torch.arange(c, device=x.device), min(V, (k if top_k else _WINDOW) + 1), []
     while rows.numel():
+        if hist and _HIST_AFTER < W < V: wide.append(rows); break
         xr = x if rows.numel() == c else x[rows]
         v, i = xr.topk(W, dim=-1)                                             # [r, W] most probable first
         if top_k: cand = v >= v[:, k - 1:k]                                   # top-k candidates, ties kept
@@ -104,7 +112,11 @@ def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=N
             nuc.tied[d] = (nd < W) & (vd.gather(1, nd.clamp(max=W - 1)[:, None])[:, 0] == nuc.thr[d])
             if top_k: nuc.floor[d] = vd[:, k - 1]
             nuc.groups.append((d, i[done][:, :int(nd.max())]))
+        if hist and 8 * W < V:                                                # past the next window for certain
+            far = ~done & (tail[:, -1] - (8 * W - cand.sum(-1)) * (v[:, -1] - v[:, 0]).exp() > thresh * tail[:, 0])
+            wide.append(rows[far]); done |= far
         rows, W = rows[~done], min(V, 8 * W)
+    if wide and (wide := torch.cat(wide)).numel(): _hist_nucleus(x, wide, thresh, min_keep, nuc)
     return nuc
 
 def _tail(xr:Tensor, v:Tensor, e:Tensor, cand:Tensor, lse:Tensor|None, thresh:float) -> Tensor:
@@ -136,6 +148,104 @@ def _nucleus_mask(x:Tensor, nuc:_Nucleus) -> Tensor:
     t = nuc.tied.nonzero()[:, 0]
     if t.numel(): keep[t] = _sorted_kept(x[t], nuc.n[t], nuc.floor[t])
     return keep
+
+# %% ../nbs/01_rb_entropy.ipynb #eba212e8
+def _crossing(h:Tensor, B:Tensor, T:Tensor) -> tuple[Tensor, Tensor]:
+    """Bin [r] holding each row's crossing token and the mass below that bin [r], from the mass per bin h [r, nb]
+    (float64, bins ascending in x) of tokens above a mass B [r]: the first bin whose cumulative mass exceeds T [r]."""
+    cum = torch.cat([B[:, None], B[:, None] + h.cumsum(-1)], 1)               # [r, nb + 1] mass below each bin edge
+    b = (cum[:, 1:] <= T[:, None]).sum(-1).clamp_(max=h.shape[1] - 1)
+    return b, cum.gather(1, b[:, None])[:, 0]
+
+# %% ../nbs/01_rb_entropy.ipynb #c98d9846
+def _hist_block(xb:Tensor, thresh:float):
+    """Level 0 of the histogram search on rows xb [r, V]: (rows, ids) of the tokens above the crossing bin, (rows,
+    ids, x, p) of those in it, the mass below it B [r] and T = thresh·Z [r], all masses float64."""
+    r, V = xb.shape
+    p = xb.softmax(-1)
+    p64, key = p.double(), (p.float().view(torch.int32) >> _SHIFT).to(_KEY)   # bits of a float ≥ 0 order as it does
+    h = p64.new_zeros(r, (0x3F800000 >> _SHIFT) + 1).scatter_add_(1, key, p64)   # [r, 1017]; p = 1.0 is the last bin
+    T = thresh * h.sum(-1)
+    b, B = _crossing(h, torch.zeros_like(T), T)
+    lin = (key >= b[:, None].to(_KEY)).view(-1).nonzero()[:, 0]               # the tokens in or above the crossing bin
+    row, col = lin // V, lin % V
+    inb = key.view(-1)[lin] == b[row]
+    lc = lin[inb]
+    return (row[~inb], col[~inb]), (row[inb], col[inb], xb.view(-1)[lc].double(), p64.view(-1)[lc]), B, T
+
+# %% ../nbs/01_rb_entropy.ipynb #c5787b50
+def _refine(rc:Tensor, xc:Tensor, pc:Tensor, B:Tensor, T:Tensor) -> tuple[Tensor, Tensor, Tensor]|None:
+    """One more level on the crossing-bin tokens (row ids rc [m], float64 logits xc [m] and masses pc [m]); None when
+    no row holds more than _LIMIT distinct ones. Else which tokens lie above the new crossing bin [m], which in it [m],
+    and the mass below it [r]."""
+    r = len(B)
+    C = torch.bincount(rc, minlength=r)
+    lo = xc.new_full((r,), math.inf).scatter_reduce_(0, rc, xc, "amin")
+    hi = xc.new_full((r,), -math.inf).scatter_reduce_(0, rc, xc, "amax")
+    split = (C > _LIMIT) & (hi > lo)
+    if not split.any(): return None
+    sub = ((xc - lo[rc]) * torch.where(split, 256 / (hi - lo), 0.)[rc]).long().clamp_(max=255)   # 0: one bin
+    h = pc.new_zeros(r * 256).index_add_(0, rc * 256 + sub, pc).view(r, 256)
+    b, B = _crossing(h, B, T)
+    return sub > b[rc], sub == b[rc], B
+
+# %% ../nbs/01_rb_entropy.ipynb #ae3c67ed
+def _positions(rows:Tensor, C:Tensor) -> Tensor:
+    "Index of each entry of a row-sorted list of row ids rows [m] within its row; C [r] = entries per row."
+    return torch.arange(len(rows), device=rows.device) - (C.cumsum(0) - C)[rows]
+
+# %% ../nbs/01_rb_entropy.ipynb #53cca4cd
+def _hist_rows(xb:Tensor, thresh:float):
+    "Kept sets of rows xb [r, V] by the histogram search: n, thr, tied [r] and the kept tokens as (row, position, id)."
+    r = len(xb)
+    (rs, cs), (rc, cc, xc, pc), B, T = _hist_block(xb, thresh)
+    above = [(rs, cs)]
+    while (level := _refine(rc, xc, pc, B, T)) is not None:
+        up, stay, B = level
+        above.append((rc[up], cc[up]))
+        rc, cc, xc, pc = rc[stay], cc[stay], xc[stay], pc[stay]
+    cnt, kr, kp, kc = torch.zeros(r, dtype=torch.long, device=xb.device), [], [], []
+    for ar, ac in above:
+        Ca = torch.bincount(ar, minlength=r)
+        kr.append(ar); kp.append(cnt[ar] + _positions(ar, Ca)); kc.append(ac)
+        cnt += Ca
+    C = torch.bincount(rc, minlength=r)
+    at, K = (rc, _positions(rc, C)), int(C.max())
+    v = xc.new_full((r, K), -math.inf).index_put_(at, xc)                     # [r, K] the crossing bin's tokens
+    col, pv = cc.new_zeros(r, K).index_put_(at, cc), pc.new_zeros(r, K).index_put_(at, pc)
+    L = min(K, _LIMIT)
+    v[:, :L], o = v[:, :L].sort(-1, descending=True)
+    col[:, :L], pv[:, :L] = col[:, :L].gather(1, o), pv[:, :L].gather(1, o)
+    tail = B[:, None] + pv.flip(-1).cumsum(-1).flip(-1)                      # mass at or below each token
+    nc = torch.minimum((tail > T[:, None]).sum(-1).clamp_(min=1), C)          # as TopP: removed iff ≤ (1 − top_p)·Z
+    thr = v.gather(1, nc[:, None] - 1)[:, 0]
+    tied = (nc < C) & (v.gather(1, nc.clamp(max=K - 1)[:, None])[:, 0] == thr)
+    jr, jj = (torch.arange(K, device=xb.device) < nc[:, None]).nonzero(as_tuple=True)
+    kr.append(jr); kp.append(cnt[jr] + jj); kc.append(col[jr, jj])
+    return cnt + nc, thr.to(xb.dtype), tied, torch.cat(kr), torch.cat(kp), torch.cat(kc)
+
+# %% ../nbs/01_rb_entropy.ipynb #c205711b
+def _hist_nucleus(x:Tensor, rows:Tensor, thresh:float, min_keep:int, nuc:_Nucleus):
+    "Fill nuc's entries for rows [r] of x [c, V] by the histogram search."
+    V, step = x.shape[1], max(1, _BLOCK // x.shape[1])
+    parts = [(s, *_hist_rows(x.index_select(0, rows[s:s + step]), thresh)) for s in range(0, len(rows), step)]
+    n, thr, tied = (torch.cat([q[j] for q in parts]) for j in (1, 2, 3))
+    at = (torch.cat([q[0] + q[4] for q in parts]), torch.cat([q[5] for q in parts]))
+    idx = at[0].new_zeros(len(rows), int(n.max())).index_put_(at, torch.cat([q[6] for q in parts]))
+    nuc.n[rows], nuc.thr[rows], nuc.tied[rows] = n, thr, tied
+    few = n < min_keep
+    if few.any():
+        f, mk = rows[few], min(min_keep, V)
+        v, i = x[f].topk(min(V, mk + 1), dim=-1)
+        nuc.n[f], nuc.thr[f], nuc.tied[f] = mk, v[:, mk - 1], (mk < V) & (v[:, -1] == v[:, mk - 1])
+        nuc.groups.append((f, i[:, :mk]))
+        rows, n, idx = rows[~few], n[~few], idx[~few]
+    ns, order = n.sort(descending=True)
+    s = 0
+    while s < len(order):
+        e = s + int((ns[s:] * 4 > ns[s]).sum())
+        nuc.groups.append((rows[order[s:e]], idx[order[s:e], :int(ns[s])]))
+        s = e
 
 # %% ../nbs/01_rb_entropy.ipynb #4cec4d93
 def sampling_mask(
