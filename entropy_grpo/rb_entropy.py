@@ -65,10 +65,9 @@ def naive_sampling_mask(
 _WINDOW = 16      # first top-k window (+1); rows whose nucleus reaches its edge retry with 8× the window
 _Z_RTOL = 1e-5    # tails within _Z_RTOL·(1 + |lse|/8)·Z of (1 − top_p)·Z are recomputed exactly (≥ 20× the rounding)
 _HIST_AFTER = 136 # without top-k, rows whose nucleus reaches past a window this wide go to the histogram search
-_BLOCK = 1 << 20  # rows × V per histogram block: its [r, V] temporaries (17 bytes an entry) stay in reused memory
-_SHIFT = 20       # histogram key: float32 bits of p >> 20 (exponent, 3 mantissa bits): 8 bins an octave of p
+_BLOCK = 1 << 20  # rows × V per block of the [r, V] passes: their buffers (13 bytes an entry) are allocated once
+_SHIFT = 20       # histogram key: float32 bits of e^{x − max} >> 20 (exponent, 3 mantissa bits): 8 bins an octave
 _LIMIT = 256      # crossing-bin tokens a row sorts; a row with more distinct ones bins them again, linearly in x
-_KEY = torch.int32 if torch.__version__ >= "2.8" else torch.int64   # scatter_add_ takes int32 indices since 2.8
 
 @dataclass
 class _Nucleus:
@@ -88,12 +87,14 @@ def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=N
     nuc = _Nucleus(x.new_zeros(c, dtype=torch.long), x.new_empty(c), x.new_zeros(c, dtype=torch.bool),
                    x.new_full((c,), -math.inf), [])
     hist = top_p < 1 and not top_k                                            # wide nuclei go to _hist_nucleus
-    if hist and lse is None: lse = torch.cat([b.logsumexp(-1) for b in x.split(max(1, _BLOCK // V))])
+    if hist:                                                                  # row max; a [b, V] buffer
+        m, buf = x.amax(-1), x.new_empty(min(c, max(1, _BLOCK // V)), V)
+        if lse is None: lse = m + _exp_sums(x, m, buf).log()                  # as logsumexp, without [c, V] temporaries
     rows, W, wide = torch.arange(c, device=x.device), min(V, (k if top_k else _WINDOW) + 1), []
     while rows.numel():
         if hist and _HIST_AFTER < W < V: wide.append(rows); break
-        xr = x if rows.numel() == c else x[rows]
-        v, i = xr.topk(W, dim=-1)                                             # [r, W] most probable first
+        xr = x if rows.numel() == c else x.index_select(0, rows)
+        v, i = _topk(xr, W)                                                   # [r, W] most probable first
         if top_k: cand = v >= v[:, k - 1:k]                                   # top-k candidates, ties kept
         elif W < V: cand = v > v[:, -1:]                                      # ranks decidable in this window
         else: cand = torch.ones_like(v, dtype=torch.bool)
@@ -116,8 +117,24 @@ def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=N
             far = ~done & (tail[:, -1] - (8 * W - cand.sum(-1)) * (v[:, -1] - v[:, 0]).exp() > thresh * tail[:, 0])
             wide.append(rows[far]); done |= far
         rows, W = rows[~done], min(V, 8 * W)
-    if wide and (wide := torch.cat(wide)).numel(): _hist_nucleus(x, wide, thresh, min_keep, nuc)
+    if wide and (wide := torch.cat(wide)).numel(): _hist_nucleus(x, wide, m, thresh, min_keep, nuc, buf)
     return nuc
+
+def _topk(x:Tensor, k:int) -> tuple[Tensor, Tensor]:
+    """x.topk(k) of x [r, V] (ties in any order). With V = 16·g, the k largest values lie in the k column groups
+    {j, j + g, …, j + 15g} with the largest maxima: one amax over x, then topk over [r, g] and over [r, 16k]."""
+    r, V = x.shape
+    g = V // 16
+    if V % 16 or 16 * k > g: return x.topk(k, dim=-1)
+    top = x.reshape(r, 16, g).amax(1).topk(k, dim=-1).indices                # [r, k] groups holding the k largest
+    cols = (top[:, :, None] + torch.arange(0, V, g, device=x.device)).view(r, 16 * k)
+    v, j = x.gather(1, cols).topk(k, dim=-1)
+    return v, cols.gather(1, j)
+
+def _exp_sums(x:Tensor, m:Tensor, buf:Tensor) -> Tensor:
+    "Σ e^{x − m} per row of x [c, V] [c], a block of rows at a time through buf [b, V] (no [c, V] temporary)."
+    return torch.cat([torch.sub(xb, mb[:, None], out=buf[:len(xb)]).exp_().sum(-1)
+                      for xb, mb in zip(x.split(len(buf)), m.split(len(buf)))])
 
 def _tail(xr:Tensor, v:Tensor, e:Tensor, cand:Tensor, lse:Tensor|None, thresh:float) -> Tensor:
     """Mass at or below each window rank (× e^{−max}) [r, W], float64. lse None: the window holds every candidate.
@@ -158,26 +175,28 @@ def _crossing(h:Tensor, B:Tensor, T:Tensor) -> tuple[Tensor, Tensor]:
     return b, cum.gather(1, b[:, None])[:, 0]
 
 # %% ../nbs/01_rb_entropy.ipynb #c98d9846
-def _hist_block(xb:Tensor, thresh:float):
-    """Level 0 of the histogram search on rows xb [r, V]: (rows, ids) of the tokens above the crossing bin, (rows,
-    ids, x, p) of those in it, the mass below it B [r] and T = thresh·Z [r], all masses float64."""
-    r, V = xb.shape
-    p = xb.softmax(-1)
-    p64, key = p.double(), (p.float().view(torch.int32) >> _SHIFT).to(_KEY)   # bits of a float ≥ 0 order as it does
-    h = p64.new_zeros(r, (0x3F800000 >> _SHIFT) + 1).scatter_add_(1, key, p64)   # [r, 1017]; p = 1.0 is the last bin
-    T = thresh * h.sum(-1)
-    b, B = _crossing(h, torch.zeros_like(T), T)
-    lin = (key >= b[:, None].to(_KEY)).view(-1).nonzero()[:, 0]               # the tokens in or above the crossing bin
-    row, col = lin // V, lin % V
-    inb = key.view(-1)[lin] == b[row]
-    lc = lin[inb]
-    return (row[~inb], col[~inb]), (row[inb], col[inb], xb.view(-1)[lc].double(), p64.view(-1)[lc]), B, T
+def _hist_block(x:Tensor, rows:Tensor, m:Tensor, thresh:float, bufs:tuple):
+    """Level 0 of the histogram search on rows [r] of x [c, V] (row max m [r]). Lists the tokens of the candidate bins
+    and above: flat index into the block lin [L], local row [L], mass e [L] (float32); which of them are candidates
+    (indices into the list); the mass below the candidates B [r] and T = thresh·Z [r], Z = Σ e^{x − m} in float64."""
+    r, V = len(rows), x.shape[1]
+    e = torch.index_select(x, 0, rows, out=bufs[0][:r]).sub_(m[:, None]).exp_()        # [r, V] e^{x − max} ≤ 1
+    Z = sum(bufs[3][:r, :t.shape[1]].copy_(t).sum(-1) for t in e.split(bufs[3].shape[1], -1))   # float64
+    key = torch.bitwise_right_shift(e.float().view(torch.int32), _SHIFT, out=bufs[1][:r])        # int64 for scatter
+    cum = e.new_zeros(r, (0x3F800000 >> _SHIFT) + 1, dtype=torch.float32).scatter_add_(1, key, e.float())
+    cum, T, d = cum.double().cumsum(-1), thresh * Z, 2 * V * 2 ** -24 * Z     # d bounds the float32 bins' rounding
+    lo = (cum + d[:, None] <= T[:, None]).sum(-1).clamp_(max=cum.shape[1] - 1)   # bins below lo: removed for certain
+    hi = (cum - d[:, None] <= T[:, None]).sum(-1).clamp_(max=cum.shape[1] - 1)   # bins above hi: kept for certain
+    lin = torch.ge(key, lo[:, None], out=bufs[2][:r]).view(-1).nonzero()[:, 0]
+    row, el = lin // V, e.view(-1)[lin]
+    B = Z - torch.zeros_like(Z).index_add_(0, row, el.double())               # float64 sums: exact for our purpose
+    return lin, row, el, (key.view(-1)[lin] <= hi[row]).nonzero()[:, 0], B, T
 
 # %% ../nbs/01_rb_entropy.ipynb #c5787b50
-def _refine(rc:Tensor, xc:Tensor, pc:Tensor, B:Tensor, T:Tensor) -> tuple[Tensor, Tensor, Tensor]|None:
-    """One more level on the crossing-bin tokens (row ids rc [m], float64 logits xc [m] and masses pc [m]); None when
-    no row holds more than _LIMIT distinct ones. Else which tokens lie above the new crossing bin [m], which in it [m],
-    and the mass below it [r]."""
+def _refine(rc:Tensor, xc:Tensor, pc:Tensor, B:Tensor, T:Tensor) -> tuple[Tensor, Tensor]|None:
+    """One more level on the candidates (row ids rc [m], float64 logits xc [m] and masses pc [m]); None when no row
+    holds more than _LIMIT distinct ones. Else which candidates lie in the new crossing bin [m], and the mass below
+    it [r]."""
     r = len(B)
     C = torch.bincount(rc, minlength=r)
     lo = xc.new_full((r,), math.inf).scatter_reduce_(0, rc, xc, "amin")
@@ -187,7 +206,7 @@ def _refine(rc:Tensor, xc:Tensor, pc:Tensor, B:Tensor, T:Tensor) -> tuple[Tensor
     sub = ((xc - lo[rc]) * torch.where(split, 256 / (hi - lo), 0.)[rc]).long().clamp_(max=255)   # 0: one bin
     h = pc.new_zeros(r * 256).index_add_(0, rc * 256 + sub, pc).view(r, 256)
     b, B = _crossing(h, B, T)
-    return sub > b[rc], sub == b[rc], B
+    return sub == b[rc], B
 
 # %% ../nbs/01_rb_entropy.ipynb #ae3c67ed
 def _positions(rows:Tensor, C:Tensor) -> Tensor:
@@ -195,40 +214,46 @@ def _positions(rows:Tensor, C:Tensor) -> Tensor:
     return torch.arange(len(rows), device=rows.device) - (C.cumsum(0) - C)[rows]
 
 # %% ../nbs/01_rb_entropy.ipynb #53cca4cd
-def _hist_rows(xb:Tensor, thresh:float):
-    "Kept sets of rows xb [r, V] by the histogram search: n, thr, tied [r] and the kept tokens as (row, position, id)."
-    r = len(xb)
-    (rs, cs), (rc, cc, xc, pc), B, T = _hist_block(xb, thresh)
-    above = [(rs, cs)]
+def _hist_rows(x:Tensor, rows:Tensor, m:Tensor, thresh:float, bufs:tuple):
+    "Kept sets of rows [r] of x [c, V] by the histogram search: n, thr, tied [r]; kept tokens as (row, position, id)."
+    r, V = len(rows), x.shape[1]
+    lin, row, el, ci, B, T = _hist_block(x, rows, m, thresh, bufs)
+    rc, xc, pc = row[ci], x[rows[row[ci]], lin[ci] % V].double(), el[ci].double()
     while (level := _refine(rc, xc, pc, B, T)) is not None:
-        up, stay, B = level
-        above.append((rc[up], cc[up]))
-        rc, cc, xc, pc = rc[stay], cc[stay], xc[stay], pc[stay]
-    cnt, kr, kp, kc = torch.zeros(r, dtype=torch.long, device=xb.device), [], [], []
-    for ar, ac in above:
-        Ca = torch.bincount(ar, minlength=r)
-        kr.append(ar); kp.append(cnt[ar] + _positions(ar, Ca)); kc.append(ac)
-        cnt += Ca
+        stay, B = level
+        rc, xc, pc = rc[stay], xc[stay], pc[stay]
     C = torch.bincount(rc, minlength=r)
     at, K = (rc, _positions(rc, C)), int(C.max())
-    v = xc.new_full((r, K), -math.inf).index_put_(at, xc)                     # [r, K] the crossing bin's tokens
-    col, pv = cc.new_zeros(r, K).index_put_(at, cc), pc.new_zeros(r, K).index_put_(at, pc)
+    v, pv = xc.new_full((r, K), -math.inf).index_put_(at, xc), pc.new_zeros(r, K).index_put_(at, pc)
     L = min(K, _LIMIT)
     v[:, :L], o = v[:, :L].sort(-1, descending=True)
-    col[:, :L], pv[:, :L] = col[:, :L].gather(1, o), pv[:, :L].gather(1, o)
-    tail = B[:, None] + pv.flip(-1).cumsum(-1).flip(-1)                      # mass at or below each token
+    pv[:, :L] = pv[:, :L].gather(1, o)
+    tail = B[:, None] + pv.flip(-1).cumsum(-1).flip(-1)                      # mass at or below each candidate
     nc = torch.minimum((tail > T[:, None]).sum(-1).clamp_(min=1), C)          # as TopP: removed iff ≤ (1 − top_p)·Z
-    thr = v.gather(1, nc[:, None] - 1)[:, 0]
+    thr, ethr = v.gather(1, nc[:, None] - 1)[:, 0], pv.gather(1, nc[:, None] - 1)[:, 0].to(el.dtype)
     tied = (nc < C) & (v.gather(1, nc.clamp(max=K - 1)[:, None])[:, 0] == thr)
-    jr, jj = (torch.arange(K, device=xb.device) < nc[:, None]).nonzero(as_tuple=True)
-    kr.append(jr); kp.append(cnt[jr] + jj); kc.append(col[jr, jj])
-    return cnt + nc, thr.to(xb.dtype), tied, torch.cat(kr), torch.cat(kp), torch.cat(kc)
+    et = ethr[row]
+    keep, a = el > et, (el == et).nonzero()[:, 0]                             # equal masses: decide by the logit
+    xa, ra = x[rows[row[a]], lin[a] % V].double(), row[a]
+    ka = xa >= thr[ra]
+    if tied.any():                                                            # of a split tie the first q only
+        eq = (xa == thr[ra]) & tied[ra]
+        Ce, q = torch.bincount(ra[eq], minlength=r), nc - (v > thr[:, None]).sum(-1)
+        ka &= ~eq | (eq.cumsum(0) - 1 - (Ce.cumsum(0) - Ce)[ra] < q[ra])
+    keep[a] = ka
+    ki = keep.nonzero()[:, 0]
+    kr = row[ki]
+    n = torch.bincount(kr, minlength=r)
+    return n, thr.to(x.dtype), tied, kr, _positions(kr, n), lin[ki] % V
 
 # %% ../nbs/01_rb_entropy.ipynb #c205711b
-def _hist_nucleus(x:Tensor, rows:Tensor, thresh:float, min_keep:int, nuc:_Nucleus):
-    "Fill nuc's entries for rows [r] of x [c, V] by the histogram search."
-    V, step = x.shape[1], max(1, _BLOCK // x.shape[1])
-    parts = [(s, *_hist_rows(x.index_select(0, rows[s:s + step]), thresh)) for s in range(0, len(rows), step)]
+def _hist_nucleus(x:Tensor, rows:Tensor, m:Tensor, thresh:float, min_keep:int, nuc:_Nucleus, buf:Tensor):
+    "Fill nuc's entries for rows [r] of x [c, V] (row max m [c]) by the histogram search, through buf [b, V]."
+    V, step = x.shape[1], len(buf)
+    bufs = (buf, torch.empty(buf.shape, dtype=torch.long, device=x.device),              # e, key, mask, float64 slab
+            torch.empty(buf.shape, dtype=torch.bool, device=x.device), buf.new_empty(step, 8192, dtype=torch.float64))
+    parts = [(s, *_hist_rows(x, rows[s:s + step], m[rows[s:s + step]], thresh, bufs))
+             for s in range(0, len(rows), step)]
     n, thr, tied = (torch.cat([q[j] for q in parts]) for j in (1, 2, 3))
     at = (torch.cat([q[0] + q[4] for q in parts]), torch.cat([q[5] for q in parts]))
     idx = at[0].new_zeros(len(rows), int(n.max())).index_put_(at, torch.cat([q[6] for q in parts]))
@@ -236,7 +261,7 @@ def _hist_nucleus(x:Tensor, rows:Tensor, thresh:float, min_keep:int, nuc:_Nucleu
     few = n < min_keep
     if few.any():
         f, mk = rows[few], min(min_keep, V)
-        v, i = x[f].topk(min(V, mk + 1), dim=-1)
+        v, i = _topk(x[f], min(V, mk + 1))
         nuc.n[f], nuc.thr[f], nuc.tied[f] = mk, v[:, mk - 1], (mk < V) & (v[:, -1] == v[:, mk - 1])
         nuc.groups.append((f, i[:, :mk]))
         rows, n, idx = rows[~few], n[~few], idx[~few]

@@ -1,4 +1,4 @@
-"Kept-set search on wide nuclei (the histogram path): transformers' own warpers as the reference, ties, min_tokens_to_keep."
+"Kept-set search on wide nuclei (the histogram path) against transformers' warpers: ties, top-k, min_tokens_to_keep."
 import math
 
 import pytest
@@ -135,7 +135,7 @@ def test_top_k_then_top_p_wide():
 
 @pytest.mark.parametrize("make", ["flat", "tied", "two-clusters", "outlier"])
 def test_linear_levels(make, hist_after, monkeypatch):
-    "Rows whose crossing bin holds thousands of tokens are binned again, linearly in x; _LIMIT 2 forces that everywhere."
+    "Rows whose crossing bin holds thousands of tokens are binned again, linearly in x; _LIMIT 2 makes every row do so."
     g = torch.Generator().manual_seed(7)
     x = {"flat": lambda: torch.randn(4, 20_000, generator=g) * 1e-3,
          "tied": lambda: torch.zeros(4, 20_000),
@@ -173,3 +173,23 @@ def test_float64_logits_take_the_histogram(monkeypatch):
         nuc = _nucleus(x, top_p, 0)
         assert nuc.thr.dtype == torch.float64
         assert torch.equal(_nucleus_mask(x, nuc), warped64(x, top_p))
+
+
+@pytest.mark.parametrize("top_p", [1e-4, 5e-3])
+def test_tiny_top_p(top_p, hist_after):
+    "top_p below the float32 bins' rounding bound (2·V·2⁻²⁴ ≈ 0.018 at V = 151,936): the max's bin still decides."
+    x = gauss(8, [1e-3, 1e-2, 0.1, 0.5, 1., 2., 4., 8.], seed=11, V=151_936)
+    for mk in (1, 5):
+        m = sampling_mask(x, top_p=top_p, min_tokens_to_keep=mk)
+        assert torch.equal(m, warped64(x, top_p, min_tokens_to_keep=mk))
+
+
+@pytest.mark.parametrize("k", [1, 17, 137])
+def test_two_step_topk(k):
+    "_topk's values are topk's, ties and −inf included, and its ids point at them; V not a multiple of 16 falls back."
+    g = torch.Generator().manual_seed(12)
+    for x in (gauss(6, 2.0, seed=12), (gauss(6, 2.0, seed=12) * 2).round(), torch.zeros(6, V),
+              gauss(6, 1.0, seed=13).masked_fill(torch.rand(6, V, generator=g) < 0.9, -math.inf), gauss(3, 1., V=3001)):
+        v, i = rb._topk(x, k)
+        assert torch.equal(v, x.topk(k, dim=-1).values) and torch.equal(x.gather(1, i), v)
+        assert (i.sort(-1).values.diff(dim=-1) > 0).all()                   # distinct tokens
