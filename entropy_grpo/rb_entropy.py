@@ -68,6 +68,7 @@ _HIST_AFTER = 136 # without top-k, rows whose nucleus reaches past a window this
 _BLOCK = 1 << 20  # rows × V per block of the [r, V] passes: their buffers (13 bytes an entry) are allocated once
 _SHIFT = 20       # histogram key: float32 bits of e^{x − max} >> 20 (exponent, 3 mantissa bits): 8 bins an octave
 _LIMIT = 256      # crossing-bin tokens a row sorts; a row with more distinct ones bins them again, linearly in x
+_LITTLE = bool(torch.ones(1, dtype=torch.int64).view(torch.int32)[0])    # an int64's low half comes first
 
 @dataclass
 class _Nucleus:
@@ -182,7 +183,9 @@ def _hist_block(x:Tensor, rows:Tensor, m:Tensor, thresh:float, bufs:tuple):
     r, V = len(rows), x.shape[1]
     e = torch.index_select(x, 0, rows, out=bufs[0][:r]).sub_(m[:, None]).exp_()        # [r, V] e^{x − max} ≤ 1
     Z = sum(bufs[3][:r, :t.shape[1]].copy_(t).sum(-1) for t in e.split(bufs[3].shape[1], -1))   # float64
-    key = torch.bitwise_right_shift(e.float().view(torch.int32), _SHIFT, out=bufs[1][:r])        # int64 for scatter
+    key = bufs[1][:r]                                                         # int64 (scatter's index type):
+    if _LITTLE: torch.bitwise_right_shift(e.float().view(torch.int32), _SHIFT, out=key.view(torch.int32)[:, 0::2])
+    else: key.copy_(e.float().view(torch.int32) >> _SHIFT)                    # the shift written into the low halves
     cum = e.new_zeros(r, (0x3F800000 >> _SHIFT) + 1, dtype=torch.float32).scatter_add_(1, key, e.float())
     cum, T, d = cum.double().cumsum(-1), thresh * Z, 2 * V * 2 ** -24 * Z     # d bounds the float32 bins' rounding
     lo = (cum + d[:, None] <= T[:, None]).sum(-1).clamp_(max=cum.shape[1] - 1)   # bins below lo: removed for certain
@@ -250,7 +253,7 @@ def _hist_rows(x:Tensor, rows:Tensor, m:Tensor, thresh:float, bufs:tuple):
 def _hist_nucleus(x:Tensor, rows:Tensor, m:Tensor, thresh:float, min_keep:int, nuc:_Nucleus, buf:Tensor):
     "Fill nuc's entries for rows [r] of x [c, V] (row max m [c]) by the histogram search, through buf [b, V]."
     V, step = x.shape[1], len(buf)
-    bufs = (buf, torch.empty(buf.shape, dtype=torch.long, device=x.device),              # e, key, mask, float64 slab
+    bufs = (buf, torch.zeros(buf.shape, dtype=torch.long, device=x.device),              # e, key, mask, float64 slab
             torch.empty(buf.shape, dtype=torch.bool, device=x.device), buf.new_empty(step, 8192, dtype=torch.float64))
     parts = [(s, *_hist_rows(x, rows[s:s + step], m[rows[s:s + step]], thresh, bufs))
              for s in range(0, len(rows), step)]
