@@ -160,6 +160,7 @@ def main():
           f"load average at start {os.getloadavg()[0]:.1f}\n")
     main_table(cases, a)
     if not a.no_peer: peer_table(cases, a)
+    print(f"\n# load average at end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

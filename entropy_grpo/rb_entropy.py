@@ -183,9 +183,9 @@ def _hist_block(x:Tensor, rows:Tensor, m:Tensor, thresh:float, bufs:tuple):
     r, V = len(rows), x.shape[1]
     e = torch.index_select(x, 0, rows, out=bufs[0][:r]).sub_(m[:, None]).exp_()        # [r, V] e^{x − max} ≤ 1
     Z = sum(bufs[3][:r, :t.shape[1]].copy_(t).sum(-1) for t in e.split(bufs[3].shape[1], -1))   # float64
-    key = bufs[1][:r]                                                         # int64 (scatter's index type):
+    key = bufs[1][:r]                                         # int64 for scatter_add_: the int32 shift goes into
     if _LITTLE: torch.bitwise_right_shift(e.float().view(torch.int32), _SHIFT, out=key.view(torch.int32)[:, 0::2])
-    else: key.copy_(e.float().view(torch.int32) >> _SHIFT)                    # the shift written into the low halves
+    else: key.copy_(e.float().view(torch.int32) >> _SHIFT)    # its low halves (zeroed once), else it is copied
     cum = e.new_zeros(r, (0x3F800000 >> _SHIFT) + 1, dtype=torch.float32).scatter_add_(1, key, e.float())
     cum, T, d = cum.double().cumsum(-1), thresh * Z, 2 * V * 2 ** -24 * Z     # d bounds the float32 bins' rounding
     lo = (cum + d[:, None] <= T[:, None]).sum(-1).clamp_(max=cum.shape[1] - 1)   # bins below lo: removed for certain
