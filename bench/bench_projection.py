@@ -132,7 +132,8 @@ def main():
         (f"hashing the {len(weights)} weights / cold", t_hash / (t_cold - t_copy)),
         ("extract_v_hack per pair / vanilla δS step", t_extract / step),
     ]
-    print(f"\n# seconds: cold add_delta_s {t_cold - t_copy:.2f} (model copy {t_copy:.2f} subtracted), vanilla δS step {step:.2f}")
+    print(f"\n# threads {torch.get_num_threads()}, seconds: cold add_delta_s {t_cold - t_copy:.2f} "
+          f"(model copy {t_copy:.2f} subtracted), vanilla δS step {step:.2f}")
     for name, r in ratios: print(f"{name:62s} {r:7.3f}")
 
 

@@ -7,13 +7,13 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/rb_entropy.html.md"""
 # %% ../nbs/01_rb_entropy.ipynb #fc172ac0
 from __future__ import annotations
 import math, warnings
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .utils import check_range
+from .kept_sets import _kept_indices, _listed_mask, _mask_lists
 
 # %% auto #0
 __all__ = ['check_sampling', 'warped_logits', 'naive_sampling_mask', 'token_stats', 'sampling_mask', 'sampling_logprobs',
@@ -57,114 +57,6 @@ def naive_sampling_mask(logits:Tensor, temperature:float=1., top_p:float=1., top
                         min_tokens_to_keep:int=1) -> Tensor:
     "Reference kept set [..., V] bool: the tokens transformers' warpers leave finite."
     return warped_logits(logits, temperature, top_p, top_k, min_tokens_to_keep) != -math.inf
-
-# %% ../nbs/01_rb_entropy.ipynb #7e6801dd
-_WINDOW = 16      # first top-k window (+1); a row whose nucleus reaches its edge retries with 8× the window, …
-_Z_RTOL = 1e-5    # a row whose tail is within _Z_RTOL·(1 + |lse|/8)·Z of (1 − top_p)·Z gets the exact tail
-
-@dataclass
-class _Nucleus:
-    "Kept sets of a chunk of rows [c, V], described without a [c, V] mask."
-    n:Tensor       # [c] kept-set size
-    thr:Tensor     # [c] smallest kept (scaled) logit
-    tied:Tensor    # [c] bool: the tokens equal to thr are only partly kept (sort order decides which)
-    floor:Tensor   # [c] top-k threshold (−inf when off): TopP sorts the row with the tokens below it at −inf
-    groups:list    # [(rows [g], idx [g, K])]: idx[j, :n[rows[j]]] are row j's kept tokens, most probable first
-
-def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=None) -> _Nucleus:
-    "Kept sets of x [c, V] (scaled logits, no grad) from growing top-k windows; lse [c] = x.logsumexp(-1) if known."
-    c, V = x.shape
-    k = min(max(top_k, min_keep), V)
-    thresh = float(torch.tensor(1 - top_p, dtype=torch.float32))           # the warper compares float32 cumsums
-    nuc = _Nucleus(x.new_zeros(c, dtype=torch.long), x.new_empty(c), x.new_zeros(c, dtype=torch.bool),
-                   x.new_full((c,), -math.inf), [])
-    if top_p < 1 and not top_k and lse is None: lse = x.logsumexp(-1)
-    rows, W = torch.arange(c, device=x.device), min(V, (k if top_k else _WINDOW) + 1)
-    while rows.numel():
-        xr = x if rows.numel() == c else x[rows]
-        v, i = xr.topk(W, dim=-1)                                             # [r, W] most probable first
-        if top_k: cand = v >= v[:, k - 1:k]                                   # top-k candidates, ties kept
-        elif W < V: cand = v > v[:, -1:]                                      # ranks decidable in this window
-        else: cand = torch.ones_like(v, dtype=torch.bool)
-        keep = cand
-        if top_p < 1:
-            e = torch.where(cand, (v - v[:, :1]).exp(), 0.).double()          # e^{x − max} on the window
-            tail = _tail(xr, v, e, cand, None if top_k or W == V else lse[rows], thresh)
-            keep = cand & (tail > thresh * tail[:, :1])                       # as TopP: removed iff ≤ (1 − top_p)·Z
-        keep[:, :min_keep] = True
-        n = keep.sum(-1)
-        done = ~cand[:, -1] if top_k else n < cand.sum(-1)                    # the window reaches past the kept set
-        if W == V: done = torch.ones_like(done)
-        if done.any():
-            d, vd, nd = rows[done], v[done], n[done]
-            nuc.n[d], nuc.thr[d] = nd, vd.gather(1, nd[:, None] - 1)[:, 0]
-            nuc.tied[d] = (nd < W) & (vd.gather(1, nd.clamp(max=W - 1)[:, None])[:, 0] == nuc.thr[d])
-            if top_k: nuc.floor[d] = vd[:, k - 1]
-            nuc.groups.append((d, i[done][:, :int(nd.max())]))
-        rows, W = rows[~done], min(V, 8 * W)
-    return nuc
-
-def _tail(xr:Tensor, v:Tensor, e:Tensor, cand:Tensor, lse:Tensor|None, thresh:float) -> Tensor:
-    """Mass at or below each window rank (× e^{−max}) [r, W], float64. lse None: the window holds every candidate.
-    Else Z − the mass above, with Z from the float32 lse (relative error ~|lse|·6e-8); rows where some rank's tail is
-    within _Z_RTOL·(1 + |lse|/8)·Z of thresh·Z get the exact tail instead: the logsumexp of the logits below the
-    window + the window's."""
-    rev = e.flip(-1).cumsum(-1).flip(-1)                                      # window mass at or below each rank
-    if lse is None: return rev
-    Z = (lse[:, None] - v[:, :1]).double().exp()
-    tail = Z - rev[:, :1] + rev
-    tol = _Z_RTOL * (1 + lse.abs().double() / 8)[:, None] * Z
-    near = (((tail - thresh * Z).abs() < tol) & cand).any(-1)
-    if near.any():
-        xn, vn = xr[near], v[near]
-        below = (torch.where(xn <= vn[:, -1:], xn, -math.inf).logsumexp(-1, keepdim=True) - vn[:, :1]).exp().double()
-        tail[near] = below + rev[near]
-    return tail
-
-def _sorted_kept(x:Tensor, n:Tensor, floor:Tensor) -> Tensor:
-    "The n[j] tokens TopPLogitsWarper keeps in row j of x [r, V], in its own sort order (it decides among ties)."
-    i = x.masked_fill(x < floor[:, None], -math.inf).sort(-1).indices     # ascending, as the warper sorts
-    top = torch.arange(x.shape[-1], device=x.device) >= x.shape[-1] - n[:, None]
-    return torch.zeros_like(top).scatter(-1, i, top)
-
-def _nucleus_mask(x:Tensor, nuc:_Nucleus) -> Tensor:
-    "[c, V] bool kept set: everything ≥ the smallest kept logit, except on rows with a split tie."
-    keep = x >= nuc.thr[:, None]
-    t = nuc.tied.nonzero()[:, 0]
-    if t.numel(): keep[t] = _sorted_kept(x[t], nuc.n[t], nuc.floor[t])
-    return keep
-
-# %% ../nbs/01_rb_entropy.ipynb #4cec4d93
-def _mask_lists(keep:Tensor) -> Tensor:
-    "Token-id lists [c, K] (−1 padded) of an explicit kept set keep [c, V] bool."
-    n = keep.sum(-1)
-    if (n == 0).any():
-        raise ValueError(f"keep has an empty kept set in row {int((n == 0).nonzero()[0])}: expected >= 1 token")
-    r, col = keep.nonzero(as_tuple=True)
-    idx = torch.full((keep.shape[0], int(n.max())), -1, dtype=torch.long, device=keep.device)
-    idx[r, torch.arange(r.numel(), device=keep.device) - (n.cumsum(0) - n)[r]] = col
-    return idx
-
-def _kept_indices(x:Tensor, top_p:float, top_k:int, lse:Tensor|None=None, min_keep:int=1, chunk_size:int=64) -> Tensor:
-    """The warpers' kept sets of x [c, V] (scaled logits, no grad) as token ids [c, K_max], −1 padded, without a
-    [c, V] mask; lse [c] = x.logsumexp(-1) if known. Rows with a split tie list the warper's choice among the ties."""
-    starts = range(0, x.shape[0], chunk_size)
-    nucs = [_nucleus(x[s:s + chunk_size], top_p, top_k, min_keep, None if lse is None else lse[s:s + chunk_size])
-            for s in starts]
-    n = torch.cat([u.n for u in nucs]) if nucs else x.new_zeros(0, dtype=torch.long)
-    idx = torch.full((x.shape[0], int(n.max()) if nucs else 0), -1, dtype=torch.long, device=x.device)
-    for s, u in zip(starts, nucs):
-        for rows, i in u.groups: idx[s + rows, :i.shape[1]] = i
-        t = u.tied.nonzero()[:, 0]
-        if t.numel():
-            ti = _mask_lists(_sorted_kept(x[s + t], u.n[t], u.floor[t]))
-            idx[s + t, :ti.shape[1]] = ti
-    return idx.masked_fill_(torch.arange(idx.shape[1], device=x.device) >= n[:, None], -1)
-
-def _listed_mask(idx:Tensor, V:int) -> Tensor:
-    "[c, V] bool of −1-padded token-id lists idx [c, K]."
-    return torch.zeros(idx.shape[0], V + 1, dtype=torch.bool, device=idx.device).scatter_(1, idx.where(idx >= 0, V),
-                                                                                          True)[:, :V]
 
 # %% ../nbs/01_rb_entropy.ipynb #dc414d90
 class _FullStats(torch.autograd.Function):

@@ -5,7 +5,7 @@ import math, re
 import pytest
 import torch
 
-import entropy_grpo.rb_entropy as rb
+import entropy_grpo.kept_sets as ks
 from entropy_grpo.rb_entropy import (naive_rb_entropy, rb_entropy, sampling_logprobs, sampling_mask,
                                      truncated_log_softmax, warped_logits)
 from entropy_grpo.sequence_processor import GenerationConfig, hf_generation_config, own_generation_config
@@ -23,10 +23,10 @@ def tied(N, V, seed=0, step=0.25):
     return (lm_like(N, V, seed) / step).round() * step
 
 
-@pytest.fixture(params=[2, rb._WINDOW], ids=["window2", "window-default"])
+@pytest.fixture(params=[2, ks._WINDOW], ids=["window2", "window-default"])
 def window(request, monkeypatch):
     "Run with the real first window and with a tiny one, so the widening retries run on nearly every row."
-    monkeypatch.setattr(rb, "_WINDOW", request.param)
+    monkeypatch.setattr(ks, "_WINDOW", request.param)
     return request.param
 
 
@@ -64,7 +64,7 @@ def test_mask_equals_warpers(kw, make, window):
 @pytest.mark.parametrize("make", [lm_like, tied], ids=["random", "ties"])
 def test_mask_exact_tail_on_every_row(kw, make, monkeypatch):
     "Forcing the exact tail (masked logsumexp below the window) on every row also gives the warpers' set."
-    monkeypatch.setattr(rb, "_Z_RTOL", 1.0)
+    monkeypatch.setattr(ks, "_Z_RTOL", 1.0)
     x = make(48, 2000, seed=4)
     assert torch.equal(sampling_mask(x, **kw, chunk_size=16), warped_logits(x, **kw) != -math.inf)
 
@@ -74,7 +74,7 @@ def test_tail_from_lse_alone_is_not_enough(monkeypatch):
     x, kw = lm_like(48, 2000, seed=4), dict(top_p=0.999)
     ref = warped_logits(x, **kw) != -math.inf
     assert torch.equal(sampling_mask(x, **kw), ref)
-    monkeypatch.setattr(rb, "_Z_RTOL", 0.0)
+    monkeypatch.setattr(ks, "_Z_RTOL", 0.0)
     assert not torch.equal(sampling_mask(x, **kw), ref)
 
 
@@ -85,7 +85,7 @@ def test_kept_indices_list_the_mask(kw, make, window):
     x = make(40, 1500, seed=5) / kw.get("temperature", 1.)
     mask = sampling_mask(x, top_p=kw.get("top_p", 1.), top_k=kw.get("top_k", 0))
     for lse in (None, x.logsumexp(-1)):
-        idx = rb._kept_indices(x, kw.get("top_p", 1.), kw.get("top_k", 0), lse, chunk_size=7)
+        idx = ks._kept_indices(x, kw.get("top_p", 1.), kw.get("top_k", 0), lse, chunk_size=7)
         assert idx.shape == (40, int(mask.sum(-1).max()))
         assert torch.equal(listed_mask(idx, 1500), mask) and torch.equal((idx >= 0).sum(-1), mask.sum(-1))
 
