@@ -6,7 +6,8 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/experiments.html.md"""
 
 # %% ../nbs/07_experiments.ipynb #f8f129bd
 from __future__ import annotations
-import argparse, ast, datetime as dt, difflib, fcntl, json, math, os, shutil, subprocess, traceback
+import argparse, ast, datetime as dt, difflib, fcntl, json, math, os, re, shutil, subprocess, sys, time, traceback
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,8 @@ from .utils import write_json
 
 # %% auto #0
 __all__ = ['TEMPLATES', 'DEMO_PARAMETERS', 'repo_root', 'template_path', 'git_sha', 'check_parameters', 'read_metrics',
-           'run_status', 'log_run', 'run_notebook', 'hack_rate_separation', 'check_sweep_spec', 'make_executor',
-           'run_sweep', 'summarize', 'cli_parser', 'main']
+           'run_status', 'log_run', 'cell_phases', 'RunProgress', 'run_notebook', 'hack_rate_separation',
+           'check_sweep_spec', 'make_executor', 'run_sweep', 'summarize', 'run_summary', 'cli_parser', 'main']
 
 # %% ../nbs/07_experiments.ipynb #fa0d4a48
 TEMPLATES = {"phase1": "nbs/experiments/phase1_probe.ipynb", "phase2": "nbs/experiments/phase2_probe.ipynb",
@@ -88,6 +89,102 @@ def log_run(log_path, exp:str, run:str, status:str, report, note:str=""):
         fcntl.flock(f, fcntl.LOCK_UN)
 
 # %% ../nbs/07_experiments.ipynb #1d336664
+def cell_phases(nb) -> list[str]:
+    "The phase of each cell of a notebook: the last `## ` heading above it ('parameters and imports' before the first)."
+    name, out = "parameters and imports", []
+    for c in nb.cells:
+        if c.cell_type == "markdown" and (m := re.search(r"^## (.+)$", c.source, re.M)): name = m.group(1).strip()
+        out.append(name)
+    return out
+
+def _mmss(seconds:float) -> str: return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
+
+# %% ../nbs/07_experiments.ipynb #8a0d4b97
+class RunProgress:
+    "One line per phase of a report on `stream`: [i/n] name, its time when done, about how long is left."
+    def __init__(self, stream=None, expected:dict|None=None):
+        self.stream, self.expected = stream or sys.stdout, expected or {}
+        self.cell_phase, self.order, self.seconds, self.current, self.started = [], [], {}, None, None
+
+    def start(self, nb):
+        "The notebook papermill runs (parameters injected): its cells' phases."
+        self.cell_phase = cell_phases(nb)
+        self.order = list(dict.fromkeys(p for c, p in zip(nb.cells, self.cell_phase) if c.cell_type == "code"))
+
+    def cell_start(self, index:int):
+        "Called as papermill starts cell `index`: a new phase ends the last one and prints its line."
+        phase = self.cell_phase[index]
+        if phase == self.current: return
+        self.close()
+        self.current, self.started = phase, time.perf_counter()
+        todo = self.order[self.order.index(phase):]
+        left = sum(self.expected.get(p, math.nan) for p in todo)
+        est = f" (about {_mmss(left)} left)" if math.isfinite(left) and left > 0 else ""
+        print(f"  [{self.order.index(phase) + 1}/{len(self.order)}] {phase}{est} ...", end="", file=self.stream,
+              flush=True)
+
+    def close(self):
+        "End the current phase: its time on its line."
+        if self.current is None: return
+        self.seconds[self.current] = round(time.perf_counter() - self.started, 1)
+        print(f" {_mmss(self.seconds[self.current])}", file=self.stream, flush=True)
+        self.current = None
+
+# %% ../nbs/07_experiments.ipynb #329ce21e
+from papermill.engines import NBClientEngine, papermill_engines
+
+class _ProgressEngine(NBClientEngine):
+    "papermill's nbclient engine, with a `RunProgress` told of every cell papermill starts."
+    @classmethod
+    def execute_managed_notebook(cls, nb_man, kernel_name, progress:RunProgress|None=None, **kwargs):
+        if progress is not None:
+            progress.start(nb_man.nb)
+            start = nb_man.cell_start
+            def cell_start(cell, cell_index=None, **kw):
+                progress.cell_start(cell_index)
+                return start(cell, cell_index, **kw)
+            nb_man.cell_start = cell_start
+        return super().execute_managed_notebook(nb_man, kernel_name, **kwargs)
+
+papermill_engines.register("entropy_grpo", _ProgressEngine)
+
+@contextmanager
+def _stderr_to(path):
+    "File descriptor 2 (ours and the kernel's, which inherits it) appended to `path`: kernel chatter off the terminal."
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "ab") as f: os.dup2(f.fileno(), 2)
+    try: yield
+    finally:
+        sys.stderr.flush(); os.dup2(saved, 2); os.close(saved)
+
+# %% ../nbs/07_experiments.ipynb #708fb1dd
+def _expected_phases(run_dir:Path) -> dict:
+    "Phase times of the newest finished sibling run (its phases.json), for the estimate of what is left."
+    done = sorted(run_dir.parent.glob("*/phases.json"), key=lambda p: p.stat().st_mtime)
+    return json.loads(done[-1].read_text()) if done else {}
+
+def _writable_run_dir(run_dir:Path) -> Path:
+    "run_dir created, or an error naming it and the fix when it cannot be written."
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir/".write-test").touch(); (run_dir/".write-test").unlink()
+    except OSError as e:
+        raise PermissionError(f"cannot write the run directory {run_dir} ({e.strerror}): make it writable, or choose "
+                              "another place (entropy-grpo demo/probe --out DIR)") from None
+    return run_dir
+
+def _stopped_note(report:Path, phase:str|None):
+    "A last markdown cell in an interrupted report: where it stopped."
+    import nbformat
+    if not report.exists(): return
+    nb = nbformat.read(report, as_version=4)
+    nb.cells.append(nbformat.v4.new_markdown_cell(f"**Interrupted** (Ctrl-C) at {dt.datetime.now():%Y-%m-%d %H:%M} "
+                                                  f"during the phase *{phase or 'parameters and imports'}*; cells below it did not run. "
+                                                  "Run the command again to start over."))
+    nbformat.write(nb, report)
+
+# %% ../nbs/07_experiments.ipynb #3a07e3da
 def run_notebook(
     template:str,                # 'phase2', 'train' or a path
     run_dir,                     # runs/<exp>/<seed>-<arm>
@@ -96,8 +193,9 @@ def run_notebook(
     log_path=None,               # default runs/LOG.md under the repo root
     kernel_name:str="python3",
     raise_on_error:bool=False,
+    progress:bool=False,         # phase lines on stdout; the kernel's stderr to run_dir/kernel.log
 )->dict:                         # {status, run_dir, report, error?}
-    "Execute a template with papermill into run_dir/report.ipynb; record success or the exception."
+    "Execute a template with papermill into run_dir/report.ipynb; record success, the exception or the interrupt."
     import papermill
     parameters = dict(parameters or {})
     run_dir = Path(run_dir).resolve()
@@ -105,35 +203,48 @@ def run_notebook(
     if "out_dir" in declared: parameters["out_dir"] = str(run_dir)
     exp = exp or run_dir.parent.name
     log_path = Path(log_path) if log_path else repo_root()/"runs"/"LOG.md"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _writable_run_dir(run_dir)
     (run_dir/"metrics.json").unlink(missing_ok=True)          # a re-run starts without a verdict
     report = run_dir/"report.ipynb"
+    bar = RunProgress(expected=_expected_phases(run_dir)) if progress else None
     env = {"TQDM_DISABLE": "1", "MPLBACKEND": "Agg"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        papermill.execute_notebook(str(template_path(template)), str(report), parameters=parameters,
-                                   kernel_name=kernel_name,
-                                   cwd=str(repo_root()), progress_bar=False)
+        with _stderr_to(run_dir/"kernel.log") if progress else nullcontext():
+            papermill.execute_notebook(str(template_path(template)), str(report), parameters=parameters,
+                                       kernel_name=kernel_name, engine_name="entropy_grpo", progress=bar,
+                                       cwd=str(repo_root()), progress_bar=False)
+        if bar: bar.close(); write_json(run_dir/"phases.json", bar.seconds)
         m = read_metrics(run_dir)
         if m is None or m.get("status") != "ok":
             raise RuntimeError("the notebook finished without writing metrics.json with status 'ok'")
         log_run(log_path, exp, run_dir.name, "ok", _rel(report), m.get("summary", ""))
         return dict(status="ok", run_dir=str(run_dir), report=str(report))
-    except Exception as e:
-        err = f"{type(e).__name__}: {e}".strip()
-        if hasattr(e, "ename"):
-            err = f"{e.ename}: {e.evalue}\n{err}"     # papermill: the notebook's own exception first
-        write_json(run_dir/"metrics.json", dict(status="failed", error=err[:4000], parameters=parameters,
-                                                git_sha=git_sha(),
-                                                 traceback=traceback.format_exc()[-8000:]))
-        log_run(log_path, exp, run_dir.name, "failed", _rel(report), err.splitlines()[0][:200] if err else "")
-        if raise_on_error: raise
-        return dict(status="failed", run_dir=str(run_dir), report=str(report), error=err)
+    except (Exception, KeyboardInterrupt) as e:
+        return _record_failure(e, run_dir, report, parameters, bar, log_path, exp, raise_on_error)
     finally:
         for k, v in old.items():
             if v is None: os.environ.pop(k, None)
             else: os.environ[k] = v
+
+# %% ../nbs/07_experiments.ipynb #bf2f89fd
+def _record_failure(e, run_dir, report, parameters, bar, log_path, exp, raise_on_error) -> dict:
+    "metrics.json and a LOG line for a run that failed or was interrupted (its report says where it stopped)."
+    interrupted = isinstance(e, KeyboardInterrupt) or getattr(e, "ename", "") == "KeyboardInterrupt"
+    phase = bar.current if bar else None
+    if bar: bar.close()
+    status = "interrupted" if interrupted else "failed"
+    err = f"{type(e).__name__}: {e}".strip()
+    if hasattr(e, "ename"): err = f"{e.ename}: {e.evalue}\n{err}"     # papermill: the notebook's own exception first
+    if interrupted:
+        err = f"interrupted (Ctrl-C) during the phase '{phase or 'parameters and imports'}'"
+        _stopped_note(report, phase)
+    write_json(run_dir/"metrics.json", dict(status=status, error=err[:4000], phase=phase, parameters=parameters,
+                                            git_sha=git_sha(), traceback=traceback.format_exc()[-8000:]))
+    log_run(log_path, exp, run_dir.name, status, _rel(report), err.splitlines()[0][:200] if err else "")
+    if raise_on_error: raise e
+    return dict(status=status, run_dir=str(run_dir), report=str(report), error=err)
 
 # %% ../nbs/07_experiments.ipynb #71f63b23
 def _rel(p):
@@ -285,6 +396,23 @@ def _plot_summary(runs, path):
     ax.set(xlabel="step", ylabel="hack rate", title="hack rate per run (colour = arm)")
     ax.legend(fontsize=7); fig.tight_layout(); fig.savefig(path, dpi=100); plt.close(fig)
 
+# %% ../nbs/07_experiments.ipynb #b895c391
+def run_summary(out:dict) -> str:
+    "A few lines for the terminal from `run_notebook`'s result and the run's metrics.json."
+    run_dir, m = Path(out["run_dir"]), read_metrics(out["run_dir"]) or {}
+    where = [f"report:  {_rel(out['report'])}"] + [f"figure:  {_rel(run_dir/f)}" for f in m.get("figures", [])]
+    if out["status"] != "ok":
+        return "\n".join([f"Run {out['status']}: {out.get('error', '').splitlines()[0]}"] + where +
+                          [f"kernel log: {_rel(run_dir/'kernel.log')}"] * (run_dir/"kernel.log").exists())
+    res, lines = m.get("results", {}), []
+    if rec := res.get("decision", {}).get("recommendation"): lines.append(f"Recommendation: {rec}")
+    verdicts = res.get("verification", [])
+    if verdicts: lines.append("Verification table:")
+    lines += [f"  {v['verdict']:<18} {v['metric']} [{v['arm']}]" for v in verdicts]
+    if t := m.get("timings"):
+        lines.append(f"time: {_mmss(sum(t.values()))} ({', '.join(f'{k} {_mmss(v)}' for k, v in t.items())})")
+    return "\n".join(lines + where)
+
 # %% ../nbs/07_experiments.ipynb #3950c9d2
 DEMO_PARAMETERS = dict(model="default", max_value=9, ops="+", teacher_train_steps=30, teacher_lr=3e-3, steps=6, G=8,
                        pool_steps=10, fit_steps=4, pool_batch=8, max_new_tokens=24, E_total_sequences=16, B_U=2,
@@ -309,9 +437,11 @@ def cli_parser() -> argparse.ArgumentParser:
                        "laptop CPU; report under runs/local/demo/<date>-<seed>-<arm> (ignored by git)")
     d.add_argument("--seed", type=int, default=0); d.add_argument("--arm", default="projected")
     d.add_argument("-p", action="append", metavar="NAME=VALUE", help="override a template parameter")
+    d.add_argument("--out", help="run directory (default: runs/local/demo/<date>-<seed>-<arm>)")
     p = sub.add_parser("probe", help="one Phase-2 probe run (papermill report under runs/<exp>/<seed>-<arm>)")
     p.add_argument("--exp", default="phase2"); p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arm", default="projected"); p.add_argument("-p", action="append", metavar="NAME=VALUE")
+    p.add_argument("--out", help="run directory (default: runs/<exp>/<seed>-<arm>)")
     p1 = sub.add_parser("phase1", help="the Phase-1 NLL probe (papermill report under runs/phase1/<seed>)")
     p1.add_argument("--seed", type=int, default=0); p1.add_argument("-p", action="append", metavar="NAME=VALUE")
     s = sub.add_parser("sweep", help="Phase-3 sweep: one job per (seed, arm) through submitit, resumable")
@@ -335,24 +465,33 @@ def cli_parser() -> argparse.ArgumentParser:
     return ap
 
 # %% ../nbs/07_experiments.ipynb #d2650dfb
+def _cli_run(cmd:str, template:str, run_dir:Path, params:dict, exp:str, log_path=None) -> int:
+    "One report from the command line: checks that need no kernel, phase lines, the summary; the exit status."
+    if params.get("model", "default") == "default":
+        from entropy_grpo.policies import smollm2_gguf_path
+        try: smollm2_gguf_path()
+        except ModuleNotFoundError as e: raise SystemExit(f"entropy-grpo {cmd}: {e}") from None
+    try: _writable_run_dir(Path(run_dir).resolve())
+    except PermissionError as e: raise SystemExit(f"entropy-grpo {cmd}: {e}") from None
+    print(f"entropy-grpo {cmd}: {template} template -> {_rel(run_dir)}", flush=True)
+    out = run_notebook(template, run_dir, params, exp, log_path=log_path, progress=True)
+    print(run_summary(out), flush=True)
+    return {"ok": 0, "interrupted": 130}.get(out["status"], 1)
+
+# %% ../nbs/07_experiments.ipynb #e8eb4457
 def main(argv=None):
     "The `entropy-grpo` command."
     a = cli_parser().parse_args(argv)
     root = repo_root()
     if a.cmd in ("demo", "probe"):
-        exp = "demo" if a.cmd == "demo" else a.exp
         params = {**(DEMO_PARAMETERS if a.cmd == "demo" else {}), **_kv(a.p), "seed": a.seed, "arm": a.arm}
-        if a.cmd == "demo":   # a user's demo runs go to the ignored runs/local/, one dated directory each
-            stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-            out = run_notebook("phase2", root/"runs"/"local"/"demo"/f"{stamp}-{_run_name(a.seed, a.arm)}", params, exp,
-                               log_path=root/"runs"/"local"/"LOG.md")
-        else: out = run_notebook("phase2", root/"runs"/exp/_run_name(a.seed, a.arm), params, exp)
-        print(json.dumps(out, indent=1))
-        return 0 if out["status"] == "ok" else 1
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")   # a user's demo runs: one dated directory each
+        run_dir = Path(a.out) if a.out else root/"runs"/"local"/"demo"/f"{stamp}-{_run_name(a.seed, a.arm)}" \
+            if a.cmd == "demo" else root/"runs"/a.exp/_run_name(a.seed, a.arm)
+        return _cli_run(a.cmd, "phase2", run_dir, params, "demo" if a.cmd == "demo" else a.exp,
+                        root/"runs"/"local"/"LOG.md" if a.cmd == "demo" else None)
     if a.cmd == "phase1":
-        out = run_notebook("phase1", root/"runs"/"phase1"/str(a.seed), {**_kv(a.p), "seed": a.seed}, "phase1")
-        print(json.dumps(out, indent=1))
-        return 0 if out["status"] == "ok" else 1
+        return _cli_run(a.cmd, "phase1", root/"runs"/"phase1"/str(a.seed), {**_kv(a.p), "seed": a.seed}, "phase1")
     if a.cmd == "sweep":
         out = run_sweep(a.template, a.seeds, a.arms, a.steps, exp=a.exp, params=_kv(a.p), executor=a.executor,
                         max_parallel=a.max_parallel, force=a.force, dry_run=a.dry_run)
