@@ -11,6 +11,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .dr_grpo import dr_grpo_loss, length_normaliser
@@ -86,11 +87,12 @@ def per_sample_grads(
 
 # %% ../nbs/04b_contributions.ipynb #f96d4418
 def _linear_owners(model:nn.Module, params:dict[str, Tensor]) -> dict[str, tuple[nn.Module, str]]|None:
-    "{name: (linear, 'weight'|'bias')} if every parameter is a weight/bias of a Linear (not the LM head), else None."
+    """{name: (linear, 'weight'|'bias'|'delta_S')} if every parameter is a weight/bias of a Linear (not the LM head)
+    or a δS adapter's delta_S on one, else None."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     owner = {id(getattr(mod, kind)): (mod, kind) for mod in model.modules()
              if isinstance(mod, nn.Linear) and mod is not head
-             for kind in ("weight", "bias") if getattr(mod, kind) is not None}
+             for kind in ("weight", "bias", "delta_S") if getattr(mod, kind, None) is not None}
     found = {n: owner.get(id(p)) for n, p in params.items()}
     return None if any(v is None for v in found.values()) else found
 
@@ -129,6 +131,9 @@ class _LinearGradHooks:
             if "bias" in names:
                 b = self.grads[names["bias"]]
                 b[rows] += g.to(b.dtype).sum(1)
+            if "delta_S" in names:                                # Σ_t (g·U) ⊙ (x·Vhᵀ), [n, r]
+                d = self.grads[names["delta_S"]]
+                d[rows] += (F.linear(x, mod.svd_Vh.to(x.dtype)) * (g @ mod.svd_U.to(g.dtype))).sum(1).to(d.dtype)
         out.register_hook(on_grad)
 
     def check_rows(self):
@@ -178,8 +183,8 @@ def sample_contributions(
     max_len = max_len or sp.config.max_new_tokens
     owners = _linear_owners(sp.model, params) if method in ("auto", "hooks") else None
     if method == "hooks" and owners is None:
-        raise ValueError("method='hooks' needs every parameter to be the weight or bias of an nn.Linear other than "
-                         "the LM head; use 'vmap'")
+        raise ValueError("method='hooks' needs every parameter to be the weight, bias or δS of an nn.Linear "
+                         "other than the LM head; use 'vmap'")
     method = ("hooks" if owners is not None else "vmap") if method == "auto" else method
     hooks = _LinearGradHooks(owners, params, B * G) if method == "hooks" else None
     with (hooks or nullcontext()):

@@ -94,11 +94,14 @@ def _removed(g:dict, g_used:dict) -> float:
     return 1 - float(_flat(g_used).norm()) / n if n > 0 else 0.0
 
 def _overshot(g:dict, g_used:dict, V:dict) -> int:
-    "Components the projection pushed past zero: changed, and now below −1e-6·|c_in| (an overshoot, or a bug)."
+    """Components the projection pushed past zero (an overshoot, or a bug): changed, and now below −(1e-6·|c_in| + the
+    rounding of the projection in g's dtype, 16·eps·|V_j|·|g|) — a component removed exactly is zero only to that."""
     n = 0
     for m, Vm in V.items():
         c_in, c_out = Vm.double() @ g[m].double(), Vm.double() @ g_used[m].double()
-        n += int(((c_out < c_in - 1e-12) & (c_out < -1e-6 * c_in.abs())).sum())
+        eps = torch.finfo(g_used[m].dtype).eps
+        tol = 1e-6 * c_in.abs() + 16 * eps * Vm.double().norm(dim=-1) * g[m].double().norm()
+        n += int(((c_out < c_in - 1e-12) & (c_out < -tol)).sum())
     return n
 
 # %% ../nbs/06_phase2.ipynb #87ede4b1

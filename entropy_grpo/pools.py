@@ -133,6 +133,7 @@ def build_pool(
     base_only:bool=False,      # generate with peft adapters disabled (the base policy)
     name:str|None=None,        # src_pool of the records; default the directory name
     use_chat_template:bool=True,
+    replay_hint:bool|str|None=None,  # the hint of `hint_prompt` (what replay scores under); None: `hint`, else HINT
 ) -> Pool:                     # the pool as loaded back from disk
     "Generate, grade and write one `step_NNN.jsonl.gz` per step; existing step files are kept, not regenerated."
     if isinstance(policy, SequenceProcessor):
@@ -158,7 +159,8 @@ def build_pool(
             bs = sp.generate_batched(prompts, G, seed=gen_seed)
         graded = task.grade_batch(bs.responses_text, problems)
         student = [task.prompt(p, sp.tokenizer, False, use_chat_template) for p in problems]
-        hinted = [task.prompt(p, sp.tokenizer, hint or True, use_chat_template) for p in problems]
+        rh = (hint or True) if replay_hint is None else replay_hint
+        hinted = [task.prompt(p, sp.tokenizer, rh, use_chat_template) for p in problems]
         records = [dict(src_pool=name, src_step=step, src_sample=b * G + g, problem_id=p.id, question=p.question,
                         answer=p.answer, prompt=prompts[b], student_prompt=student[b], hint_prompt=hinted[b],
                         **_sample_fields(sp, bs, b, g, graded.records[b][g]), hint=hint, base_only=base_only,
@@ -241,13 +243,14 @@ def teacher_and_base_pools(
     teacher_steps:int=30,      # NLL steps of the hack teacher
     teacher_lr:float=3e-3,
     seed:int=0,
+    teacher_hint:bool|str=True,  # the hint the teacher is fitted and samples with (`LEAKY_HINT`: the answer in it)
 ) -> tuple[list[Pool], list[float]]:  # ([teacher pool, base pool], the teacher's NLL per step)
     "A hack teacher fitted on a copy of `policy` samples the hinted pool; `policy` itself samples the base pool."
     import copy
     teacher, nll = fit_hack_teacher(copy.deepcopy(policy), tokenizer, task, steps=teacher_steps, lr=teacher_lr,
-                                    seed=seed)
-    pools = [build_pool((teacher, tokenizer), task, True, steps, batch, Path(out_dir)/"teacher", config=config,
-                        seed=seed),
+                                    seed=seed, hint=teacher_hint)
+    pools = [build_pool((teacher, tokenizer), task, teacher_hint, steps, batch, Path(out_dir)/"teacher",
+                        config=config, seed=seed, replay_hint=True),
              build_pool((policy, tokenizer), task, False, steps, batch, Path(out_dir)/"base", config=config, seed=seed)]
     return pools, nll
 

@@ -3,6 +3,8 @@ gives every verdict of every row against its controls, and the decision follows 
 training loop itself is tested in test_phase2_loop.py."""
 import random
 
+import torch
+
 import pytest
 from fastcore.test import test_fail
 
@@ -148,3 +150,17 @@ def test_flags_are_listed_and_pool_flags_name_the_problem():
     d = decide(verification_table(synthetic())[0], flags)
     assert d["recommendation"] == "launch Phase 3" and set(flags) <= set(d["rules"])
     assert pool_flags([pool("teacher", [True] * 4, [3.5] * 4), pool("base", [False] * 4, [1.0] * 4)]) == []
+
+
+def test_overshot_counts_overshoots_not_float32_rounding_of_an_exact_removal():
+    "A float32 gradient with a small component along V, removed exactly: rounding leaves ±eps·|g|, not an overshoot."
+    from entropy_grpo.phase2 import _overshot
+    g = torch.Generator().manual_seed(0)
+    V = torch.nn.functional.normalize(torch.randn(1, 4096, generator=g, dtype=torch.float64), dim=-1)
+    grads = [torch.randn(4096, generator=g, dtype=torch.float64) for _ in range(200)]
+    grads = [(x - (V[0] @ x - 1e-3 * x.norm()) * V[0]).float() for x in grads]   # c_in = +1e-3·|g|
+    Vf = V.float()
+    removed = [x - (Vf[0] @ x) * Vf[0] for x in grads]                          # exact removal, in float32
+    assert sum(_overshot({"m": x}, {"m": y}, {"m": Vf}) for x, y in zip(grads, removed)) == 0
+    past = [x - 2 * (Vf[0] @ x) * Vf[0] for x in grads]                         # overshoot 2: c_out = −c_in
+    assert sum(_overshot({"m": x}, {"m": y}, {"m": Vf}) for x, y in zip(grads, past)) == 200
