@@ -47,7 +47,10 @@ def test_phase2_template_on_tiny_policy(labelled, tmp_path):
     verdicts = {"success", "likely fail", "sneaky fail", "fail", "inconclusive", "by construction"}
     assert {row["verdict"] for row in r["verification"]} <= verdicts
     assert r["decision"]["recommendation"] and not r["decision"]["launch_phase3"]   # labelled pools: base never > 0.5
-    assert [row["lr"] for row in r["entropy_probe"]["rows"]] == [1e-4, 1e-3]
+    lrs = [row["lr"] for row in r["entropy_probe"]["rows"]]     # the grid, extended ×3 upward while < 3 clear the floor
+    assert lrs[:2] == [1e-4, 1e-3] and len(lrs) <= 2 + 2
+    assert all(b == pytest.approx(3 * a) for a, b in zip(lrs[1:], lrs[2:]))
+    assert r["entropy_probe"]["verdict"] in ("success", "fail", "below noise floor")
     for f in ("alignment.png", "entropy_probe.png", "v_hack.safetensors", "report.ipynb"): assert (run / f).exists(), f
     assert len(list((run / "vanilla").glob("step_*.cos.jsonl.gz"))) == 2
     assert "| phase2 | 0-projected | ok |" in (tmp_path / "LOG.md").read_text()
