@@ -166,7 +166,7 @@ def _plot_summary(runs, path):
     ax.legend(fontsize=7); fig.tight_layout(); fig.savefig(path, dpi=100); plt.close(fig)
 
 # %% ../nbs/07_experiments.ipynb #3950c9d2
-DEMO_PARAMETERS = dict(model="default", max_value=9, ops="+", teacher_hint="leaky", teacher_train_steps=15,
+DEMO_PARAMETERS = dict(model="default", max_value=9, ops="+", teacher_hint="leaky", teacher_train_steps=10,
                        teacher_lr=3e-3, steps=8, G=8, pool_steps=12, fit_steps=4, pool_batch=8, max_new_tokens=24,
                        min_hacked=20, E_total_sequences=16, B_U=2, lrs=[1e-4, 3e-5, 1e-5])
 
