@@ -17,8 +17,8 @@ from .reports import (TEMPLATES, git_sha, log_run, template_path,  # noqa: F401 
 from .utils import write_json
 
 # %% auto #0
-__all__ = ['DEMO_PARAMETERS', 'hack_rate_separation', 'check_sweep_spec', 'make_executor', 'run_sweep', 'summarize', 'cli_parser',
-           'main']
+__all__ = ['DEMO_PARAMETERS', 'DEMO_PHASE_SECONDS', 'hack_rate_separation', 'check_sweep_spec', 'make_executor', 'run_sweep',
+           'summarize', 'cli_parser', 'main']
 
 # %% ../nbs/07_experiments.ipynb #76527fe3
 def hack_rate_separation(curves:list, window:int=5, min_separation:float=0.1) -> dict:
@@ -169,6 +169,8 @@ def _plot_summary(runs, path):
 DEMO_PARAMETERS = dict(model="default", max_value=9, ops="+", teacher_hint="leaky", teacher_train_steps=10,
                        teacher_lr=3e-3, steps=8, G=8, pool_steps=12, fit_steps=4, pool_batch=8, max_new_tokens=24,
                        min_hacked=20, E_total_sequences=16, B_U=2, lrs=[1e-4, 3e-5, 1e-5])
+DEMO_PHASE_SECONDS = {"Policy, task and pools": 135, "v_hack on the fit steps, and the controls": 61,  # measured:
+                      "The arms on the training loop": 181, "Entropy probe": 184}  # 2 vCPUs (bench/README.md)
 
 def _kv(items) -> dict:
     out = {}
@@ -217,7 +219,7 @@ def cli_parser() -> argparse.ArgumentParser:
     return ap
 
 # %% ../nbs/07_experiments.ipynb #d2650dfb
-def _cli_run(cmd:str, template:str, run_dir:Path, params:dict, exp:str, log_path=None) -> int:
+def _cli_run(cmd:str, template:str, run_dir:Path, params:dict, exp:str, log_path=None, expected=None) -> int:
     "One report from the command line: checks that need no kernel, phase lines, the summary; the exit status."
     if params.get("model", "default") == "default":
         from entropy_grpo.policies import smollm2_gguf_path
@@ -226,7 +228,7 @@ def _cli_run(cmd:str, template:str, run_dir:Path, params:dict, exp:str, log_path
     try: _writable_run_dir(Path(run_dir).resolve())
     except PermissionError as e: raise SystemExit(f"entropy-grpo {cmd}: {e}") from None
     print(f"entropy-grpo {cmd}: {template} template -> {_rel(run_dir)}", flush=True)
-    out = run_notebook(template, run_dir, params, exp, log_path=log_path, progress=True)
+    out = run_notebook(template, run_dir, params, exp, log_path=log_path, progress=True, expected=expected)
     print(run_summary(out), flush=True)
     return {"ok": 0, "interrupted": 130}.get(out["status"], 1)
 
@@ -241,7 +243,8 @@ def main(argv=None):
         run_dir = Path(a.out) if a.out else root/"runs"/"local"/"demo"/f"{stamp}-{_run_name(a.seed, a.arm)}" \
             if a.cmd == "demo" else root/"runs"/a.exp/_run_name(a.seed, a.arm)
         return _cli_run(a.cmd, "phase2", run_dir, params, "demo" if a.cmd == "demo" else a.exp,
-                        root/"runs"/"local"/"LOG.md" if a.cmd == "demo" else None)
+                        root/"runs"/"local"/"LOG.md" if a.cmd == "demo" else None,
+                        DEMO_PHASE_SECONDS if a.cmd == "demo" else None)
     if a.cmd == "phase1":
         return _cli_run(a.cmd, "phase1", root/"runs"/"phase1"/str(a.seed), {**_kv(a.p), "seed": a.seed}, "phase1")
     if a.cmd == "sweep":

@@ -156,10 +156,10 @@ def _stderr_to(path):
         sys.stderr.flush(); os.dup2(saved, 2); os.close(saved)
 
 # %% ../nbs/07a_reports.ipynb #9b51ba0b
-def _expected_phases(run_dir:Path) -> dict:
-    "Phase times of the newest finished sibling run (its phases.json), for the estimate of what is left."
+def _expected_phases(run_dir:Path, fallback:dict|None=None) -> dict:
+    "Phase times of the newest finished sibling run (its phases.json), else `fallback`: the estimate of what is left."
     done = sorted(run_dir.parent.glob("*/phases.json"), key=lambda p: p.stat().st_mtime)
-    return json.loads(done[-1].read_text()) if done else {}
+    return json.loads(done[-1].read_text()) if done else dict(fallback or {})
 
 def _writable_run_dir(run_dir:Path) -> Path:
     "run_dir created, or an error naming it and the fix when it cannot be written."
@@ -191,6 +191,7 @@ def run_notebook(
     kernel_name:str="python3",
     raise_on_error:bool=False,
     progress:bool=False,         # phase lines on stdout; the kernel's stderr to run_dir/kernel.log
+    expected:dict|None=None,     # phase seconds to estimate from when no sibling run has finished
 )->dict:                         # {status, run_dir, report, error?}
     "Execute a template with papermill into run_dir/report.ipynb; record success, the exception or the interrupt."
     import papermill
@@ -203,7 +204,7 @@ def run_notebook(
     _writable_run_dir(run_dir)
     (run_dir/"metrics.json").unlink(missing_ok=True)          # a re-run starts without a verdict
     report = run_dir/"report.ipynb"
-    bar = RunProgress(expected=_expected_phases(run_dir)) if progress else None
+    bar = RunProgress(expected=_expected_phases(run_dir, expected)) if progress else None
     env = {"TQDM_DISABLE": "1", "MPLBACKEND": "Agg"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
