@@ -147,15 +147,15 @@ def update_backward(
     return dict(out, grad_norm=gn, clip_coef=min(1.0, mx / (gn + 1e-6)) if mx else 1.0)
 
 # %% ../nbs/02_delta_entropy_is.ipynb #7e216787
-def probe_dtype(dtype:str|torch.dtype|None="auto", device="cpu") -> torch.dtype:
-    "The entropy probe's scoring dtype: 'auto' = float64 on CPU, float32 on GPU; bf16 and fp16 are refused."
-    if dtype in (None, "", "auto"): return torch.float64 if torch.device(device).type == "cpu" else torch.float32
+def probe_dtype(dtype:str|torch.dtype|None="auto") -> torch.dtype:
+    "The entropy probe's scoring dtype: 'auto' = float64 (on every device); float32 on request; bf16 and fp16 refused."
+    if dtype in (None, "", "auto"): return torch.float64
     d = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if d in (torch.bfloat16, torch.float16):
         name = str(d).replace("torch.", "")
         raise ValueError(f"dtype={name}: the entropy probe refuses to score in {name}: a step of relative size 1e-5 "
                          f"is below {name}'s resolution (relative spacing {torch.finfo(d).eps:.1e}), so ΔH_true and "
-                         "ΔH₁ would be rounding; use float64 (the CPU default) or float32")
+                         "ΔH₁ would be rounding; use float64 (the default) or float32")
     if d not in (torch.float32, torch.float64):
         raise ValueError(f"dtype={dtype!r}: expected 'auto', 'float64' or 'float32'")
     return d

@@ -347,7 +347,7 @@ def run_mixed_probe(
     plot:bool=True,
     *,
     train_config:TrainConfig|None=None,  # the update (clipping, normaliser, KL); None: TrainConfig()'s
-    dtype:str="auto",               # scoring dtype of the probe's copy: "auto" (float64 CPU, float32 GPU), "float64"…
+    dtype:str="auto",               # scoring dtype of the probe's copy: "auto" (= "float64"), "float64" or "float32"
     floor_draws:int=2,              # one-ulp perturbations measuring the floor
     floor_factor:float=10.0,        # an lr qualifies when |gap| > floor_factor × floor
     min_qualifying:int=3,           # qualifying lrs the verdict needs
@@ -366,7 +366,7 @@ def run_mixed_probe(
         clash = {k: v for k, v in (cfg_importance or {}).items() if k in upd and v != upd[k]}
         if clash: raise ValueError(f"cfg_importance {clash} contradicts train_config's update {upd}")
     cfg = importance_config({**upd, **(cfg_importance or {})})
-    psp, popt = probe_copy(sp, optimizer, probe_dtype(dtype, sp.device))
+    psp, popt = probe_copy(sp, optimizer, probe_dtype(dtype))
     probe, t0 = DeltaEntropyIS(psp.model, psp.config, sequence_processor=psp), time.perf_counter()
     floor = probe.noise_floor(E_batch, floor_draws, cfg_importance=cfg)
     one = first_order_delta_entropy(psp, E_batch, U_batch, popt, lr=1.0, estimator=estimator,

@@ -47,7 +47,7 @@ def test_bf16_and_fp16_scoring_is_refused_with_the_reason():
     for name in ("bfloat16", "float16"):
         fc.test_fail(lambda: probe_dtype(name), contains=f"below {name}'s resolution")
     fc.test_fail(lambda: probe_dtype("int8"), contains="expected 'auto', 'float64' or 'float32'")
-    assert probe_dtype("auto", "cpu") == torch.float64 and probe_dtype("auto", "cuda") == torch.float32
+    assert probe_dtype("auto") == torch.float64 and probe_dtype(None) == torch.float64
     assert probe_dtype("float32") == torch.float32
     pc = components(dtype=torch.float32)
     E, U = batches(pc)
