@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from entropy_grpo.experiments import run_notebook
+from entropy_grpo.experiments import TEMPLATES, run_notebook, template_path
 
 
 def test_phase1_template_on_tiny_policy(labelled, tmp_path):
@@ -73,3 +73,13 @@ def test_misspelled_parameter_fails_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="unknown parameter 'step' for phase2 \\(did you mean 'steps'\\?\\)"):
         run_notebook("phase2", tmp_path / "x" / "0-vanilla", dict(step=3))
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+def test_every_parameter_line_parses(template):
+    "papermill only warns on a parameter line it cannot parse (and then neither types nor checks it): none may fail."
+    import nbformat, papermill, re
+    nb = nbformat.read(template_path(template), as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    names = re.findall(r"^(\w+)\s*:", cell.source, re.M)
+    assert names and sorted(papermill.inspect_notebook(str(template_path(template)))) == sorted(names)
