@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .reports import (TEMPLATES, git_sha, log_run, template_path,  # noqa: F401  (this module's names too)
-                                  _rel, _writable_run_dir, check_parameters, read_metrics, repo_root, run_notebook,
+                                  _rel, check_parameters, read_metrics, repo_root, run_notebook,
                                   run_status, run_summary)
 from .utils import write_json
 
@@ -225,10 +225,9 @@ def _cli_run(cmd:str, template:str, run_dir:Path, params:dict, exp:str, log_path
         from entropy_grpo.policies import smollm2_gguf_path
         try: smollm2_gguf_path()
         except ModuleNotFoundError as e: raise SystemExit(f"entropy-grpo {cmd}: {e}") from None
-    try: _writable_run_dir(Path(run_dir).resolve())
-    except PermissionError as e: raise SystemExit(f"entropy-grpo {cmd}: {e}") from None
     print(f"entropy-grpo {cmd}: {template} template -> {_rel(run_dir)}", flush=True)
-    out = run_notebook(template, run_dir, params, exp, log_path=log_path, progress=True, expected=expected)
+    try: out = run_notebook(template, run_dir, params, exp, log_path=log_path, progress=True, expected=expected)
+    except PermissionError as e: raise SystemExit(f"entropy-grpo {cmd}: {e}") from None   # before any work
     print(run_summary(out), flush=True)
     return {"ok": 0, "interrupted": 130}.get(out["status"], 1)
 

@@ -114,11 +114,10 @@ class RunProgress:
         if phase == self.current: return
         self.close()
         self.current, self.started = phase, time.perf_counter()
-        todo = self.order[self.order.index(phase):]
-        left = sum(self.expected.get(p, math.nan) for p in todo)
+        i = self.order.index(phase)
+        left = sum(self.expected.get(p, math.nan) for p in self.order[i:])
         est = f" (about {_mmss(left)} left)" if math.isfinite(left) and left > 0 else ""
-        print(f"  [{self.order.index(phase) + 1}/{len(self.order)}] {phase}{est} ...", end="", file=self.stream,
-              flush=True)
+        print(f"  [{i + 1}/{len(self.order)}] {phase}{est} ...", end="", file=self.stream, flush=True)
 
     def close(self):
         "End the current phase: its time on its line."
@@ -233,11 +232,12 @@ def _record_failure(e, run_dir, report, parameters, bar, log_path, exp, raise_on
     phase = bar.current if bar else None
     if bar: bar.close()
     status = "interrupted" if interrupted else "failed"
-    err = f"{type(e).__name__}: {e}".strip()
-    if hasattr(e, "ename"): err = f"{e.ename}: {e.evalue}\n{err}"     # papermill: the notebook's own exception first
     if interrupted:
         err = f"interrupted (Ctrl-C) during the phase '{phase or 'parameters and imports'}'"
         _stopped_note(report, phase)
+    else:
+        err = f"{type(e).__name__}: {e}".strip()
+        if hasattr(e, "ename"): err = f"{e.ename}: {e.evalue}\n{err}"   # papermill: the notebook's own exception first
     write_json(run_dir/"metrics.json", dict(status=status, error=err[:4000], phase=phase, parameters=parameters,
                                             git_sha=git_sha(), traceback=traceback.format_exc()[-8000:]))
     log_run(log_path, exp, run_dir.name, status, _rel(report), err.splitlines()[0][:200] if err else "")

@@ -11,24 +11,15 @@ from entropy_grpo.delta_entropy_is import DeltaEntropyIS, probe_copy, probe_dtyp
 from entropy_grpo.dr_grpo import group_advantages, policy_gradient_backward
 from entropy_grpo.phase2 import decide, entropy_probe_row
 from entropy_grpo.policies import tiny_policy
-from entropy_grpo.probes import (BatchConfig, ProbeComponents, covariance_predictor, run_mixed_probe, update_delta,
-                                 update_settings)
+from entropy_grpo.probes import covariance_predictor, run_mixed_probe, update_delta, update_settings
 from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor, as_batched_sequences, make_probe_batch
 from entropy_grpo.tasks import ArithmeticTask
 from entropy_grpo.training import GenerationSource, TrainConfig, train
+from tiny_inputs import probe_components, with_advantages
 
 
 def components(top_p=0.95, dtype=torch.float64, seed=0, **bc):
-    model, tok = tiny_policy(seed, dtype=dtype)
-    gen = GenerationConfig(temperature=0.9, top_p=top_p, max_new_tokens=8)
-    return ProbeComponents(model, tok, ArithmeticTask(n=50), gen,
-                           BatchConfig(**{**dict(E_total_sequences=24, B_U=4, G=4), **bc}))
-
-
-def with_advantages(U):
-    "The tiny policy's random bytes earn no reward: a stand-in reward with group variance gives a real gradient."
-    r = U["sequences"].double()[..., -3:].mean(-1)
-    return {**U, "rewards": r, "advantages": group_advantages(r)}
+    return probe_components(tiny_policy(seed, dtype=dtype), top_p, **bc)
 
 
 def batches(pc):

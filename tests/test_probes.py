@@ -1,32 +1,16 @@
 "probes: samplers, ∇H(E) vs finite differences, Δθ vs a real step, ΔH₁ vs ΔH_true as lr -> 0, estimators."
-import copy
-
 import pytest
 import torch
 
-from entropy_grpo.dr_grpo import group_advantages, policy_gradient_backward
-from entropy_grpo.probes import (BatchConfig, ProbeComponents, _future_sums, entropy_gradient,
-                                 first_order_delta_entropy, optimizer_delta, run_mixed_probe)
-from entropy_grpo.sequence_processor import GenerationConfig, to_batched_sequences
-from entropy_grpo.tasks import ArithmeticTask
-
-
-def components(policy, top_p=0.95, n_problems=50, **bc):
-    "ProbeComponents on a copy of `policy`: arithmetic problems, temperature 0.9, 8 new tokens."
-    model, tok = copy.deepcopy(policy)
-    gen = GenerationConfig(temperature=0.9, top_p=top_p, max_new_tokens=8)
-    return ProbeComponents(model, tok, ArithmeticTask(n=n_problems), gen,
-                           BatchConfig(**{**dict(E_total_sequences=24, B_U=4, G=4), **bc}))
-
-
-def with_advantages(U):
-    "The tiny policy's random bytes earn no reward: a stand-in reward with group variance gives a real gradient."
-    r = U["sequences"].double()[..., -3:].mean(-1)
-    return {**U, "rewards": r, "advantages": group_advantages(r)}
+from entropy_grpo.dr_grpo import policy_gradient_backward
+from entropy_grpo.probes import (BatchConfig, _future_sums, entropy_gradient, first_order_delta_entropy,
+                                 optimizer_delta, run_mixed_probe)
+from entropy_grpo.sequence_processor import to_batched_sequences
+from tiny_inputs import probe_components, with_advantages
 
 
 def test_samplers_shapes_and_duplicates(tiny64):
-    pc = components(tiny64, n_problems=3, E_total_sequences=40, G=4, B_U=3)
+    pc = probe_components(tiny64, n_problems=3, E_total_sequences=40, G=4, B_U=3)
     E, U = pc.sample_E_batch_with_replacement(), pc.sample_U_batch_distinct()
     assert E["sequences"].shape[:2] == (10, 4) and U["sequences"].shape[:2] == (3, 4)
     assert len(set(E["prompt_ids"])) < len(E["prompt_ids"])          # 10 draws from 3 problems repeat
@@ -36,13 +20,13 @@ def test_samplers_shapes_and_duplicates(tiny64):
         pc.sample_U_batch_distinct(B_U=4)                              # 4 distinct from 3 cannot be done
     with pytest.raises(ValueError, match="E_sampling_mode='both'"):
         BatchConfig(E_sampling_mode="both")
-    pc2 = components(tiny64, n_problems=20, E_sampling_mode="distinct", E_total_sequences=24, G=4)
+    pc2 = probe_components(tiny64, n_problems=20, E_sampling_mode="distinct", E_total_sequences=24, G=4)
     assert len(set(pc2.sample_E_batch()["prompt_ids"])) == 6
 
 
 @pytest.mark.parametrize("estimator", ["snis", "causal"])
 def test_grad_H_matches_finite_differences(tiny64, estimator):
-    pc = components(tiny64)
+    pc = probe_components(tiny64)
     E, sp, model = pc.sample_E_batch_with_replacement(), pc.sp, pc.sp.model
     seqs = to_batched_sequences(E)
     base, diag = sp.teacher_force_logprobs(seqs, return_support=True)
@@ -76,7 +60,7 @@ def test_grad_H_matches_finite_differences(tiny64, estimator):
 
 @pytest.mark.parametrize("opt_kind", ["adamw", "adamw_amsgrad", "adam_l2", "sgd_nesterov"])
 def test_rebuilt_delta_theta_matches_real_step(tiny64, opt_kind):
-    pc = components(tiny64)
+    pc = probe_components(tiny64)
     sp, model = pc.sp, pc.sp.model
     U = with_advantages(pc.sample_U_batch_distinct())
     make = {"adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1),
@@ -95,7 +79,7 @@ def test_rebuilt_delta_theta_matches_real_step(tiny64, opt_kind):
 
 @pytest.mark.parametrize("top_p", [1.0, 0.95])
 def test_first_order_matches_fixed_support_change_to_second_order(tiny64, top_p):
-    pc = components(tiny64, top_p=top_p)
+    pc = probe_components(tiny64, top_p=top_p)
     E, U = pc.sample_E_batch_with_replacement(), with_advantages(pc.sample_U_batch_distinct())
     opt = torch.optim.AdamW(pc.sp.model.parameters(), lr=1e-3)
     probe = run_mixed_probe(pc.sp, E, U, opt, lrs=(3e-4, 1e-4, 3e-5, 1e-5), plot=False)
@@ -109,7 +93,7 @@ def test_first_order_matches_fixed_support_change_to_second_order(tiny64, top_p)
 
 @pytest.mark.slow
 def test_causal_agrees_with_snis_in_expectation_with_smaller_spread(tiny64):
-    pc = components(tiny64, top_p=1.0, E_total_sequences=32)
+    pc = probe_components(tiny64, top_p=1.0, E_total_sequences=32)
     U = with_advantages(pc.sample_U_batch_distinct())
     opt = torch.optim.AdamW(pc.sp.model.parameters(), lr=1e-4)
     est = {"snis": [], "causal": []}
@@ -124,7 +108,7 @@ def test_causal_agrees_with_snis_in_expectation_with_smaller_spread(tiny64):
 
 
 def test_unsupported_optimizer_is_named(tiny64):
-    pc = components(tiny64)
+    pc = probe_components(tiny64)
     model = pc.sp.model
     for p in model.parameters(): p.grad = torch.zeros_like(p)
     with pytest.raises(NotImplementedError, match="RMSprop"):
