@@ -66,6 +66,14 @@ def read_until(proc, text, timeout):
     return buf
 
 
+def wait_for_step(path, proc, timeout):
+    "Until `path` holds a recorded step (the arm is mid-run: 79 more steps to go), polling; the run must not end."
+    deadline = time.time() + timeout
+    while not (path.exists() and path.read_text().strip()):
+        assert proc.poll() is None and time.time() < deadline, f"no step recorded in {path}"
+        time.sleep(0.1)
+
+
 def test_ctrl_c_leaves_a_report_that_says_where_it_stopped(labelled, tmp_path, local_log):
     run = tmp_path / "0-projected"
     args = [a.replace("steps=2", "steps=40") for a in tiny_args(labelled)]      # time to press Ctrl-C in the arms
@@ -73,7 +81,7 @@ def test_ctrl_c_leaves_a_report_that_says_where_it_stopped(labelled, tmp_path, l
                             stderr=subprocess.PIPE, start_new_session=True)
     try:
         read_until(proc, "] The arms on the training loop", 600)
-        time.sleep(2)
+        wait_for_step(run / "vanilla" / "steps.jsonl", proc, 300)   # a state, not a sleep: the first arm is stepping
         os.killpg(proc.pid, signal.SIGINT)            # as a terminal does: the whole process group, kernel included
         rest, err = proc.communicate(timeout=120)
     finally:

@@ -53,19 +53,18 @@ def test_wide_nuclei_equal_the_warper_in_exact_arithmetic(top_p, hist_after):
 
 
 def test_float32_warper_differs_only_within_its_rounding():
-    """Where the float32 warper disagrees, its own normalisation error decides: one token whose exact cumulative mass
-    (at or below it, ascending) lies within 1e-6 of 1 − top_p; either rule may be the one keeping it."""
+    """Where the float32 warper disagrees (on some CPUs one row of these 64, on others none), its own normalisation
+    error decides: every differing token's exact cumulative mass (at or below it, ascending) lies within 1e-6 of
+    1 − top_p; either rule may be the one keeping it."""
     x, top_p = gauss(64, 1.5, seed=2), 0.9
     t = float(torch.tensor(1 - top_p, dtype=torch.float32))
     mask, ref32 = sampling_mask(x, top_p=top_p), warped(x, top_p)
     assert torch.equal(mask, warped64(x, top_p)) and (mask.sum(-1) > 10_000).all()
-    rows = (mask != ref32).any(-1).nonzero()[:, 0]
-    assert len(rows) == 1                                   # 1 of these 64 rows
-    for j in rows.tolist():
+    for j in (mask != ref32).any(-1).nonzero()[:, 0].tolist():   # how many rows differ depends on the CPU's sums
         v, order = x[j].sort()
         cum = v.double().softmax(-1).cumsum(-1)
-        (tok,) = (mask[j] != ref32[j]).nonzero()[:, 0].tolist()
-        assert abs(float(cum[(order == tok).nonzero()[0, 0]]) - t) < 1e-6
+        for tok in (mask[j] != ref32[j]).nonzero()[:, 0].tolist():
+            assert abs(float(cum[(order == tok).nonzero()[0, 0]]) - t) < 1e-6, (j, tok)
 
 
 def test_well_conditioned_wide_rows_equal_float32_warper():
