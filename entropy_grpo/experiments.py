@@ -198,6 +198,11 @@ def cli_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="run directory (default: runs/<exp>/<seed>-<arm>)")
     p1 = sub.add_parser("phase1", help="the Phase-1 NLL probe (papermill report under runs/phase1/<seed>)")
     p1.add_argument("--seed", type=int, default=0); p1.add_argument("-p", action="append", metavar="NAME=VALUE")
+    c = sub.add_parser("calibrate", help="the Phase-2 decision in synthetic worlds over fresh seeds: launch rate per "
+                       "world with its 95%% interval (papermill report under runs/local/calibration)")
+    c.add_argument("--seeds", type=int, default=40, help="fresh seeds per world")
+    c.add_argument("--out", help="run directory (default: runs/local/calibration; finished seeds are kept)")
+    c.add_argument("-p", action="append", metavar="NAME=VALUE", help="override a calibration template parameter")
     s = sub.add_parser("sweep", help="Phase-3 sweep: one job per (seed, arm) through submitit, resumable")
     s.add_argument("--template", default="train"); s.add_argument("--exp", default="phase3")
     s.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -221,7 +226,7 @@ def cli_parser() -> argparse.ArgumentParser:
 # %% ../nbs/07_experiments.ipynb #d2650dfb
 def _cli_run(cmd:str, template:str, run_dir:Path, params:dict, exp:str, log_path=None, expected=None) -> int:
     "One report from the command line: checks that need no kernel, phase lines, the summary; the exit status."
-    if params.get("model", "default") == "default":
+    if template != "calibration" and params.get("model", "default") == "default":   # the embedded policy is needed
         from entropy_grpo.policies import smollm2_gguf_path
         try: smollm2_gguf_path()
         except ModuleNotFoundError as e: raise SystemExit(f"entropy-grpo {cmd}: {e}") from None
@@ -246,6 +251,9 @@ def main(argv=None):
                         DEMO_PHASE_SECONDS if a.cmd == "demo" else None)
     if a.cmd == "phase1":
         return _cli_run(a.cmd, "phase1", root/"runs"/"phase1"/str(a.seed), {**_kv(a.p), "seed": a.seed}, "phase1")
+    if a.cmd == "calibrate":
+        return _cli_run(a.cmd, "calibration", Path(a.out) if a.out else root/"runs"/"local"/"calibration",
+                        {**_kv(a.p), "seeds": a.seeds}, "calibration", root/"runs"/"local"/"LOG.md")
     if a.cmd == "sweep":
         out = run_sweep(a.template, a.seeds, a.arms, a.steps, exp=a.exp, params=_kv(a.p), executor=a.executor,
                         max_parallel=a.max_parallel, force=a.force, dry_run=a.dry_run)

@@ -6,23 +6,23 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/phase2.html.md"""
 
 # %% ../nbs/06_phase2.ipynb #8eea66f3
 from __future__ import annotations
-import json, math, os, re, statistics, warnings
+import json, os, re, warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 from fastcore.basics import patch
 from torch import Tensor
 
 from .contributions import cosines, grad_norms, sample_contributions
+from .decision import (LISTED_VERDICTS, decide, entropy_probe_row, pool_flags,  # noqa: F401 (re-exported)
+                                   verification_table)
 from .pools import read_jsonl_gz, step_files, write_jsonl_gz
 from .probes import optimizer_delta
 from .projection_arms import ProjectionArm, project_grad
-from .utils import check_choice, check_range, clean_json, row_cosines, welch
+from .utils import atomic_path, check_choice, clean_json, row_cosines
 
 # %% auto #0
-__all__ = ['SLIM_KEYS', 'LISTED_VERDICTS', 'save_step_slim', 'load_slim', 'Phase2Recorder', 'load_steps', 'verification_table',
-           'decide', 'pool_flags', 'entropy_probe_row']
+__all__ = ['SLIM_KEYS', 'save_step_slim', 'load_slim', 'Phase2Recorder', 'load_steps']
 
 # %% ../nbs/06_phase2.ipynb #2810ba01
 SLIM_KEYS = ("step", "sample_id", "src_pool", "src_step", "src_sample", "reward", "hacked", "gt_pass", "fmt_ok",
@@ -122,6 +122,8 @@ class Phase2Recorder:
             c.check(arm.adapter)
         self.arm, self.controls = arm, [c.to(arm.adapter.parameters()[0].device) for c in controls]
         self.out, self.steps, self.slim, self._now = None if out_dir is None else Path(out_dir), [], [], None
+        if self.out is not None and self.out.is_dir():   # a re-run starts clean: no step of an earlier run survives
+            for f in [*self.out.glob("step_*.cos.jsonl.gz"), self.out/"steps.jsonl"]: f.unlink(missing_ok=True)
         self.u = {m: v.sum(0) for m, v in arm.v_hack.V.items()}
 
     def _modules(self, tensors:list) -> dict:
@@ -187,7 +189,8 @@ def on_step_end(self:Phase2Recorder, ctx, record:dict):
     self.steps.append(line); self.slim += slim
     if self.out is not None:
         save_step_slim(self.out, ctx.step, slim)
-        with open(self.out/"steps.jsonl", "a") as f: f.write(json.dumps(line) + "\n")
+        with atomic_path(self.out/"steps.jsonl") as tmp:     # every step so far, rewritten whole: never appended twice
+            tmp.write_text("".join(json.dumps(s) + "\n" for s in self.steps))
     record.update({k: st[k] for k in ("removed", "cos_step", "cos_step_plain", "overshot")}, delta_check=err)
 
 def load_steps(arm_dir:str|os.PathLike) -> list[dict]:
@@ -195,234 +198,3 @@ def load_steps(arm_dir:str|os.PathLike) -> list[dict]:
     p = Path(arm_dir)/"steps.jsonl"
     if not p.exists(): raise FileNotFoundError(f"{p} not found: expected a Phase2Recorder's steps.jsonl")
     return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
-
-# %% ../nbs/06_phase2.ipynb #cf9b04f9
-def _need(most, n):
-    "Steps needed for 'most of n' (16 of 20 at most = 0.8), free of float rounding."
-    return math.ceil(round(most * n, 9))
-
-def _fmt(x, spec=".3f"):
-    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-def _mean(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.fmean(xs) if xs else None
-
-def _row(key, metric, arm, value, null, verdict, detail=""):
-    return dict(key=key, metric=metric, arm=arm, value=value, null=null, verdict=verdict, detail=detail)
-
-def _controls(step:dict, source:str, key:str) -> list:
-    "A step's control values of one source ('permuted' | 'random')."
-    return [c[key] for c in step["controls"] if c["source"] == source and c[key] is not None]
-
-def _spread_row(arm, slim, steps, most, min_spread, good_spread):
-    spreads = [s["reward_spread"] for s in steps]
-    by = {}
-    for r in slim: by.setdefault(r["step"], []).append(r["reward"])
-    advs = sorted(abs(x - statistics.fmean(v)) for v in by.values() for x in v) or [0.0]
-    dead = [s["step"] for s in steps if s["reward_spread"] < min_spread]
-    n_good, need = sum(x > good_spread for x in spreads), _need(most, len(steps))
-    q = lambda f: advs[min(len(advs) - 1, int(f * len(advs)))]
-    detail = f"|advantage| quantiles 0/25/50/75/100%: {', '.join(_fmt(q(f), '.3g') for f in (0, .25, .5, .75, 1))}"
-    if dead: detail = f"no advantage signal on steps {dead}; " + detail
-    if len(dead) > len(steps) - need: verdict = "likely fail"
-    elif n_good >= need: verdict = "success"
-    else: verdict, detail = "sneaky fail", "advantages small but non-zero; " + detail
-    return _row("reward_spread", "reward spread r.max()-r.min() per step", arm,
-                f"median {_fmt(_median(spreads))}; > {good_spread} on {n_good}/{len(steps)} steps", None, verdict,
-                detail)
-
-# %% ../nbs/06_phase2.ipynb #866fc9fe
-def _cos_in_row(arm, steps, most, q):
-    vals = [s["cos_in"] for s in steps]
-    rand, perm = ([_controls(s, src, "cos_in") for s in steps] for src in ("random", "permuted"))
-    if not rand or not all(rand):
-        return _row("cos_in", "cos_in per step vs control directions", arm, f"median {_fmt(_median(vals))}",
-                    None, "inconclusive", "no steps or no random control directions: nothing to compare with")
-    hi = [float(np.quantile(np.abs(r), q)) for r in rand]
-    above = sum(v is not None and v > h for v, h in zip(vals, hi))
-    below = sum(v is not None and v < -h for v, h in zip(vals, hi))
-    beats_perm = sum(v is not None and bool(p) and v > statistics.median(p) for v, p in zip(vals, perm))
-    need = _need(most, len(steps))
-    null = f"{len(rand[0])} random, median {q:.0%} quantile of |cos| {_fmt(_median(hi))}"
-    if all(perm):
-        null += f"; {len(perm[0])} label-permuted, median {_fmt(_median([statistics.median(p) for p in perm]))}"
-    if above >= need and (not all(perm) or beats_perm >= need): verdict, detail = "success", ""
-    elif above >= need: verdict, detail = "likely fail", (f"aligned beyond chance, but above the label-permuted "
-                                                          f"directions' median on {beats_perm}/{len(steps)} steps only")
-    elif below >= need: verdict, detail = "sneaky fail", "below the null: sign reversed (base outweighs teacher)"
-    else: verdict, detail = "likely fail", "within the random-direction null: not aligned with v_hack beyond chance"
-    return _row("cos_in", "cos_in per step vs control directions", arm,
-                f"median {_fmt(_median(vals))}; beyond the random null on {above}/{len(steps)} steps", null, verdict,
-                detail)
-
-def _buckets(slim:list, cos:list, teacher, base):
-    "(teacher/hacked, base/clean) cosines of slim rows, with per-row cosines `cos` (None left out)."
-    a = [c for r, c in zip(slim, cos) if c is not None and r["src_pool"] == teacher and r["hacked"]]
-    b = [c for r, c in zip(slim, cos) if c is not None and r["src_pool"] == base and not r["hacked"]]
-    return a, b
-
-def _label_null(a:list, b:list, n:int=200, seed:int=0) -> list:
-    "Welch t of the two groups with their membership permuted n times: the null of 'the groups differ'."
-    pooled, rng = a + b, np.random.default_rng(seed)
-    return [welch(list(x[:len(a)]), list(x[len(a):]))["t"] for x in (rng.permutation(pooled) for _ in range(n))]
-
-def _contrib_row(arm, slim, teacher, base, alpha, min_hacked, q):
-    a, b = _buckets(slim, [r["cos_S_contrib"] for r in slim], teacher, base)
-    w = welch(a, b)
-    null_t = [t for t in _label_null(a, b) if not math.isnan(t)] if len(a) >= 2 and len(b) >= 2 else []
-    t_hi = float(np.quantile(null_t, q)) if null_t else None
-    value = (f"{teacher}/hacked {_fmt(w['mean_a'])} (n={w['n_a']}) vs {base}/clean {_fmt(w['mean_b'])} (n={w['n_b']}); "
-             f"Welch t={_fmt(w['t'], '.2f')}, p={_fmt(w['p'], '.2g')}")
-    null = f"labels permuted 200×: t {q:.0%} quantile {_fmt(t_hi, '.2f')}" if null_t else None
-    if not a or not b:
-        verdict, detail = "sneaky fail", f"bucket {teacher}/hacked or {base}/clean empty: mixing was required"
-    elif len(a) < min_hacked: verdict, detail = "inconclusive", f"too few hacked samples: n={len(a)} < {min_hacked}"
-    elif t_hi is not None and w["t"] > max(2.0, t_hi) and w["p"] < alpha: verdict, detail = "success", ""
-    else:
-        verdict, detail = "likely fail", "buckets alike, within the label-permuted null: v_hack not specific to hacking"
-    return _row("contrib", "cos_S_contrib teacher/hacked vs base/clean (held out)", arm, value, null, verdict, detail)
-
-# %% ../nbs/06_phase2.ipynb #8b6c5ce2
-def _projection_rows(arm, steps, fired_min, q):
-    "The projected arm's own rows: the tautology (labelled), over-projection, and the two effectiveness rows."
-    fired = _median([s["frac_fired"] for s in steps])
-    n_below = sum(s["cos_out"] is not None and s["cos_in"] is not None and s["cos_out"] < s["cos_in"] for s in steps)
-    verdict = "sneaky fail" if fired is not None and fired < fired_min else "by construction"
-    rows = [_row("cos_out_below_in", "cos_out < cos_in per step", arm,
-                 f"{n_below}/{len(steps)} steps; median frac_fired "
-                 f"{_fmt(fired, '.2f')}", None, verdict, "true by construction for a one-sided projection; judged by "
-                 "the rows below" + (f"; fires on few modules (< {fired_min})" if verdict == "sneaky fail" else ""))]
-    over = [s["step"] for s in steps if s["overshot"]]
-    rows.append(_row("over_projection", "components pushed past zero", arm, f"{sum(s['overshot'] for s in steps)} "
-                     "components", None, "fail" if over else "success",
-                     f"over-projection on steps {over}: a bug, stop" if over else ""))
-    both = [s for s in steps if None not in (s["cos_step"], s["cos_step_plain"])]
-    eff = _mean([s["cos_step_plain"] - s["cos_step"] for s in both])
-    n_ctrl = len(steps[0]["controls"]) if steps else 0
-    ctrl = lambda s, j, key: s["controls"][j][key]
-    null_eff = [_mean([ctrl(s, j, "cos_step_plain") - ctrl(s, j, "cos_step") for s in steps
-                       if None not in (ctrl(s, j, "cos_step_plain"), ctrl(s, j, "cos_step"))]) for j in range(n_ctrl)]
-    null_eff = [x for x in null_eff if x is not None]
-    hi = float(np.quantile(null_eff, q)) if null_eff else None
-    step_cos = _mean([s["cos_step"] for s in steps])
-    ctrl_cos = [abs(c["cos_step"]) for s in steps for c in s["controls"] if c["cos_step"] is not None]
-    ctrl_hi = float(np.quantile(ctrl_cos, q)) if ctrl_cos else None
-    if hi is None: v, d = "inconclusive", "no control directions"
-    elif step_cos is not None and step_cos > ctrl_hi:
-        v, d = "sneaky fail", "the projected step still moves toward hacking"
-    elif eff is not None and eff > hi: v, d = "success", ""
-    else: v, d = "likely fail", "within the control directions' null"
-    rows.append(_row("step_along_v", "cos(−Δθ, v_hack): unprojected − projected step", arm,
-                     f"{_fmt(eff)} (projected step cos {_fmt(step_cos)})",
-                     f"{n_ctrl} controls; {q:.0%} quantile {_fmt(hi)}" if hi is not None else None, v, d))
-    removed = _mean([s["removed"] for s in steps])
-    null_rm = [_mean([ctrl(s, j, "removed") for s in steps]) for j in range(n_ctrl)]
-    rm_hi = float(np.quantile(null_rm, q)) if null_rm else None
-    v = "inconclusive" if rm_hi is None else "success" if removed > rm_hi else "likely fail"
-    rows.append(_row("norm_removed", "share of gradient norm removed", arm, _fmt(removed),
-                     f"{n_ctrl} controls; {q:.0%} quantile {_fmt(rm_hi)}" if rm_hi is not None else None, v,
-                     "" if v != "likely fail" else "within the control directions' null"))
-    return rows
-
-def _between_arms(key, metric, arm, mine:list, theirs:list, alpha):
-    "Welch of an arm's values against the vanilla arm's: success when lower."
-    w = welch(mine, theirs)
-    if math.isnan(w["t"]): v, d = "inconclusive", f"n={w['n_a']} vs {w['n_b']}: too few values"
-    elif w["t"] < -2 and w["p"] < alpha: v, d = "success", ""
-    elif w["t"] > 2 and w["p"] < alpha: v, d = "sneaky fail", "higher than in the vanilla arm"
-    else: v, d = "likely fail", "not lower than in the vanilla arm"
-    return _row(key, metric, arm, f"{_fmt(w['mean_a'])} vs vanilla {_fmt(w['mean_b'])} (t={_fmt(w['t'], '.2f')}, "
-                f"n={w['n_a']}/{w['n_b']})", "the vanilla arm", v, d)
-
-# %% ../nbs/06_phase2.ipynb #987f509e
-def verification_table(
-    arms:dict,                 # {arm: dict(slim=[...], steps=[...])}: load_slim / load_steps of each arm's directory
-    *,
-    teacher_pool:str="teacher",
-    base_pool:str="base",
-    most:float=0.8,            # "most steps" (16 of 20)
-    min_spread:float=0.1,      # below: no advantage signal
-    good_spread:float=1.0,     # above: real reward variance
-    fired_min:float=0.2,       # median frac_fired below: fires on few modules
-    alpha:float=0.05,          # significance of the Welch tests
-    min_hacked:int=5,          # fewer hacked samples: the contribution row cannot decide
-    q:float=0.95,              # the null quantile a value must exceed
-) -> tuple[list[dict], str]:   # rows (key, metric, arm, value, null, verdict, detail), markdown
-    "The Phase-2 verification table: one row per metric and arm, each against its control, each with its verdict."
-    if not arms: raise ValueError("arms is empty: expected {arm: dict(slim=..., steps=...)}")
-    check_range("most", most, 0, 1, lo_open=True)
-    vanilla = [a for a in arms if not a.startswith("projected")]
-    rows = []
-    for a, d in arms.items():
-        rows.append(_spread_row(a, d["slim"], d["steps"], most, min_spread, good_spread))
-        if a in vanilla:
-            rows += [_cos_in_row(a, d["steps"], most, q),
-                     _contrib_row(a, d["slim"], teacher_pool, base_pool, alpha, min_hacked, q)]
-        else:
-            rows += _projection_rows(a, d["steps"], fired_min, q)
-            if vanilla:
-                v = arms[vanilla[0]]
-                hacked = lambda slim: _buckets(slim, [r["cos_S_contrib"] for r in slim], teacher_pool, base_pool)[0]
-                rows += [_between_arms("next_cos_in", "cos_in, steps ≥ 1, vs the vanilla arm", a,
-                                       [s["cos_in"] for s in d["steps"][1:] if s["cos_in"] is not None],
-                                       [s["cos_in"] for s in v["steps"][1:] if s["cos_in"] is not None], alpha),
-                         _between_arms("hacked_contrib", "teacher/hacked cos_S_contrib vs the vanilla arm", a,
-                                       hacked(d["slim"]), hacked(v["slim"]), alpha)]
-    head = "| metric | arm | value | null | verdict | detail |\n|---|---|---|---|---|---|\n"
-    md = head + "\n".join(f"| {r['metric']} | {r['arm']} | {r['value']} | {r['null'] or '—'} | **{r['verdict']}** | "
-                          f"{r['detail']} |" for r in rows)
-    return rows, md
-
-# %% ../nbs/06_phase2.ipynb #62097907
-LISTED_VERDICTS = ("likely fail", "sneaky fail", "fail", "inconclusive", "below noise floor")  # listed as rules
-
-def decide(
-    rows:list[dict],           # verification_table's rows
-    flags:list[str]=(),        # data problems found elsewhere (pool hack rate, base reward), each a sentence
-) -> dict:                     # recommendation, launch_phase3, stop, rules
-    "The Phase-2 → Phase-3 decision from the verification table's verdicts, every rule that fired listed."
-    by = lambda key: [r for r in rows if r["key"] == key]
-    ok = lambda key: any(r["verdict"] == "success" for r in by(key))
-    rules = [f"{r['metric']} [{r['arm']}]: {r['verdict']} — {r['detail']}" for r in rows
-             if r["verdict"] in LISTED_VERDICTS and r["detail"]]
-    rules += list(flags)
-    spread_bad = any(r["verdict"] == "likely fail" for r in by("reward_spread"))
-    effective = ok("step_along_v") or ok("norm_removed")
-    null = lambda key: by(key) and all(r["verdict"] == "likely fail" for r in by(key))
-    if any(r["verdict"] == "fail" for r in by("over_projection")): rec = "STOP (bug)"
-    elif spread_bad: rec = "inconclusive: the data cannot decide"
-    elif null("cos_in") and null("contrib"): rec = "skip Phase 3"
-    elif ok("cos_in") and ok("contrib") and effective: rec = "launch Phase 3"
-    elif ok("contrib") and not ok("cos_in") and effective: rec = "launch Phase 3, expect a smaller effect"
-    else: rec = "inconclusive"
-    return dict(recommendation=rec, launch_phase3=rec.startswith("launch"), stop=rec.startswith("STOP"),
-                signal=ok("cos_in") and ok("contrib"), effective=effective, rules=rules)
-
-def pool_flags(pools:list, teacher_min_hack:float=0.5, base_min_reward:float=0.5) -> list[str]:
-    "Sentences for pools that cannot make Phase 2 decide: a teacher that rarely hacks, a base that never earns."
-    teacher, base = pools[0].records(), pools[-1].records()
-    flags = []
-    rate = sum(bool(r["hacked"]) for r in teacher) / len(teacher)
-    if rate < teacher_min_hack: flags.append(f"teacher pool hacks on {rate:.0%} of samples (< {teacher_min_hack:.0%})")
-    if max(float(r["reward"]) for r in base) <= base_min_reward:
-        flags.append(f"base pool never earns more than {base_min_reward} (one-sided variance)")
-    return flags
-
-# %% ../nbs/06_phase2.ipynb #41d41644
-def entropy_probe_row(
-    probe:dict,                # probes.run_mixed_probe's result (or its metrics.json copy)
-    arm:str="vanilla",         # the arm whose update the probe measured
-)->dict:                       # a verification-table row (key "entropy_probe")
-    "The verification-table row of the entropy probe: its verdict, the slope on the lrs above the floor, the floor."
-    lo, hi = probe.get("slope_range", (1.6, 2.5))
-    q, n = probe["qualifying_lrs"], len(probe["rows"])
-    value = f"gap slope {_fmt(probe['slope'], '.2f')} on {len(q)}/{n} lrs above the floor" + \
-        (f" ({', '.join(f'{x:g}' for x in q)})" if q else "")
-    null = f"noise floor {probe['floor']:.1e} ({probe['dtype']}): an lr counts at |gap| > {probe['floor_factor']:g}× it"
-    return _row("entropy_probe", f"ΔH₁ predicts the fixed-support ΔH_true (gap slope in [{lo}, {hi}])", arm, value,
-                null, probe.get("verdict") or "inconclusive", probe.get("detail") or "")

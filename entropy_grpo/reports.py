@@ -18,7 +18,7 @@ __all__ = ['TEMPLATES', 'repo_root', 'template_path', 'git_sha', 'check_paramete
 
 # %% ../nbs/07a_reports.ipynb #135d2093
 TEMPLATES = {"phase1": "nbs/experiments/phase1_probe.ipynb", "phase2": "nbs/experiments/phase2_probe.ipynb",
-             "train": "nbs/experiments/train.ipynb"}
+             "train": "nbs/experiments/train.ipynb", "calibration": "nbs/experiments/calibration.ipynb"}
 
 def repo_root() -> Path:
     "The checkout this package runs from (the folder holding nbs/), else the current directory."
@@ -259,6 +259,7 @@ def run_summary(out:dict) -> str:
                           [f"kernel log: {_rel(run_dir/'kernel.log')}"] * (run_dir/"kernel.log").exists())
     res, lines = m.get("results", {}), []
     if rec := res.get("decision", {}).get("recommendation"): lines.append(f"Recommendation: {rec}")
+    elif m.get("summary"): lines.append(f"Summary: {m['summary']}")
     verdicts = res.get("verification", [])
     if verdicts: lines.append("Verification table:")
     lines += [f"  {v['verdict']:<18} {v['metric']} [{v['arm']}]" for v in verdicts]

@@ -23,8 +23,9 @@ GEN = GenerationConfig(max_new_tokens=12, num_generations=8)
 
 
 def planted_pools(tok, steps=14, per_step=8, seed=0, pattern_len=6):
-    """Pools whose teacher completions end in one fixed token pattern (hacked, reward 3.5) and whose base completions
-    do not (clean, 0.25): the hack direction is known, the pattern's log-likelihood gradient."""
+    """Pools whose hacked teacher completions (3 of every 4 teacher samples, reward 3.5) end in one fixed token
+    pattern and whose clean teacher and base completions (0.25) do not: the hack direction is known, the pattern's
+    log-likelihood gradient, and clean teacher samples let the gate tell hacking from the teacher pool."""
     rng = random.Random(seed)
     vocab = [i for i in range(len(tok)) if i not in set(tok.all_special_ids)]
     pattern, pools = rng.sample(vocab, pattern_len), {"teacher": {}, "base": {}}
@@ -32,12 +33,12 @@ def planted_pools(tok, steps=14, per_step=8, seed=0, pattern_len=6):
         for i in range(per_step):
             prompt = f"Question: What is {rng.randint(1, 9)} + {rng.randint(1, 9)}? Answer:"
             for name, recs in pools.items():
-                ids = [rng.choice(vocab) for _ in range(rng.randint(2, 5))] + (pattern if name == "teacher" else [])
+                hacked = name == "teacher" and i % 4 != 3
+                ids = [rng.choice(vocab) for _ in range(rng.randint(2, 5))] + (pattern if hacked else [])
                 recs.setdefault(s, []).append(dict(
                     src_pool=name, src_step=s, src_sample=i, problem_id=f"p{s}-{i}", prompt=prompt, hint_prompt=prompt,
                     student_prompt=prompt, completion=tok.decode(ids), completion_ids=ids, comp_len=len(ids),
-                    finished=False, reward=3.5 if name == "teacher" else 0.25, hacked=name == "teacher", gt_pass=False,
-                    fmt_ok=True))
+                    finished=False, reward=3.5 if hacked else 0.25, hacked=hacked, gt_pass=False, fmt_ok=True))
     return [Pool(n, Path("."), st) for n, st in pools.items()]
 
 
@@ -75,16 +76,16 @@ def verdicts(rows):
 
 
 def test_planted_direction_is_real_and_effective(planted):
-    rows, md = verification_table(run_arms(planted, planted["fit"]("pairs", 99)))
+    rows, md = verification_table(run_arms(planted, planted["fit"]("pairs", 99)), G=8)
     v, d = verdicts(rows), decide(rows)
-    assert v[("cos_in", "vanilla")] == "success" and v[("contrib", "vanilla")] == "success", md
+    assert v[("hack_specific", "vanilla")] == "success" and v[("cos_in", "vanilla")] == "success", md
     assert v[("cos_out_below_in", "projected")] == "by construction"
     assert d["signal"] and d["recommendation"] == "launch Phase 3", d
 
 
 @pytest.mark.parametrize("source", ["permuted", "random"])
 def test_control_directions_do_not_launch(planted, source):
-    rows, md = verification_table(run_arms(planted, planted["fit"](source, 99)))
+    rows, md = verification_table(run_arms(planted, planted["fit"](source, 99)), G=8)
     v, d = verdicts(rows), decide(rows)
     assert not d["signal"] and not d["launch_phase3"], md
     assert v[("step_along_v", "projected")] != "success" and v[("norm_removed", "projected")] != "success", md
@@ -147,8 +148,8 @@ def test_bad_input_is_named(planted):
     few = [dict(r, hacked=r["hacked"] and r["sample_id"] < 2) for r in
            run_arms(planted, vh, arms=("vanilla",), steps=1)["vanilla"]["slim"]]
     rows, _ = verification_table({"vanilla": dict(slim=few, steps=[])}, min_hacked=5)
-    row = next(r for r in rows if r["key"] == "contrib")
-    assert row["verdict"] == "inconclusive" and "n=2 < 5" in row["detail"], row
+    row, n = next(r for r in rows if r["key"] == "contrib"), sum(r["hacked"] for r in few)
+    assert n < 5 and row["verdict"] == "inconclusive" and f"n={n} < 5" in row["detail"], row
 
 
 def test_phase2_template_splits_fit_and_replay(tmp_path):

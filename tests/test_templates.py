@@ -40,13 +40,14 @@ def test_phase2_template_on_tiny_policy(labelled, tmp_path):
     r = m["results"]
     assert set(r) >= {"pools", "flags", "n_pairs", "dim", "per_step", "contrib_in_sample", "verification", "decision",
                       "entropy_probe"}
+    assert m["parameters"]["min_clean"] == 5 and "hack_specific" in {row["key"] for row in r["verification"]}
     assert set(r["per_step"]) == {"vanilla", "projected"} and len(r["per_step"]["vanilla"]["cos_in"]) == 2
     projected = r["per_step"]["projected"]
     assert all(o < i for i, o, f in zip(projected["cos_in"], projected["cos_out"], projected["frac_fired"]) if f)
     assert r["pools"]["teacher"]["hack_rate"] == 1.0 and r["n_pairs"] == 4
     verdicts = {"success", "likely fail", "sneaky fail", "fail", "inconclusive", "by construction"}
     assert {row["verdict"] for row in r["verification"]} <= verdicts
-    assert r["decision"]["recommendation"] and not r["decision"]["launch_phase3"]   # labelled pools: base never > 0.5
+    assert r["decision"]["recommendation"] == "inconclusive: hacking and pool identity coincide"   # every teacher hacks
     lrs = [row["lr"] for row in r["entropy_probe"]["rows"]]     # the grid, extended ×3 upward while < 3 clear the floor
     assert lrs[:2] == [1e-4, 1e-3] and len(lrs) <= 2 + 2
     assert all(b == pytest.approx(3 * a) for a, b in zip(lrs[1:], lrs[2:]))
@@ -83,3 +84,29 @@ def test_every_parameter_line_parses(template):
     cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
     names = re.findall(r"^(\w+)\s*:", cell.source, re.M)
     assert names and sorted(papermill.inspect_notebook(str(template_path(template)))) == sorted(names)
+
+
+def test_every_phase2_parameter_reaches_the_run_config():
+    "The Phase-2 template's parameters are Phase2Config's fields, name for name and default for default."
+    import ast, dataclasses, papermill
+    from entropy_grpo.phase2_run import Phase2Config
+    declared = papermill.inspect_notebook(str(template_path("phase2")))
+    fields = {f.name: f for f in dataclasses.fields(Phase2Config)}
+    assert sorted(declared) == sorted(fields)
+    config = Phase2Config()
+    for name, p in declared.items():
+        assert ast.literal_eval(p["default"]) == getattr(config, name), name
+
+
+def test_calibration_template_on_one_world(tmp_path):
+    "The calibration report: one seed of one world at small sizes; a re-run keeps the finished seed."
+    run = tmp_path / "calibration"
+    small = dict(steps=4, n_controls=3, pool_steps=8, fit_steps=2, min_clean=3, min_hacked=3)
+    params = dict(seeds=1, worlds=["no_content"], phase2_parameters=small)
+    out = run_notebook("calibration", run, params, log_path=tmp_path / "LOG.md", raise_on_error=True)
+    m = json.loads((run / "metrics.json").read_text())
+    assert out["status"] == "ok" and m["results"]["worlds"]["no_content"]["n"] == 1
+    assert m["results"]["worlds"]["no_content"]["launches"] == 0 and (run / "calibration.png").exists()
+    first = (run / "runs" / "no_content-1000.json").stat().st_mtime_ns
+    run_notebook("calibration", run, params, log_path=tmp_path / "LOG.md", raise_on_error=True)
+    assert (run / "runs" / "no_content-1000.json").stat().st_mtime_ns == first

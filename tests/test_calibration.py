@@ -1,0 +1,91 @@
+"""calibration: each world's pools hold the truth it claims; the whole decision, run through the Phase-2 run's own
+phases, launches where the signal is real and not in any null world (one seed each here, 40 in the calibration of
+record); a calibration resumes without redoing or double-counting a finished run; the Wilson interval is exact."""
+import json
+import math
+
+import pytest
+from fastcore.test import test_fail
+
+from entropy_grpo import calibration
+from entropy_grpo.calibration import WORLDS, calibrate, summarize, wilson, world_pools, world_run
+from entropy_grpo.pools import load_pool
+from entropy_grpo.tasks import ArithmeticTask
+
+SMALL = dict(steps=6, n_controls=4, pool_steps=10, fit_steps=2, min_clean=3, min_hacked=3)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from entropy_grpo.policies import tiny_policy
+    return tiny_policy(0)[1]
+
+
+def marked(rec, pattern):
+    return rec["completion_ids"][-len(pattern):] == pattern
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_world_pools_hold_their_truth(world, tok, tmp_path):
+    teacher, base = (load_pool(d) for d in world_pools(world, tok, ArithmeticTask(), tmp_path, seed=3, steps=12))
+    t, b = teacher.records(), base.records()
+    assert [r["problem_id"] for r in t] == [r["problem_id"] for r in b]                     # the same problems
+    hacked = [r for r in t if r["hacked"]]
+    pattern = hacked[0]["completion_ids"][-6:] if world != "no_content" else None
+    rate = len(hacked) / len(t)
+    if world == "signal":
+        assert rate == 1 and all(marked(r, pattern) for r in t) and not any(marked(r, pattern) for r in b)
+    if world == "signal_partial":
+        assert 0.6 < rate < 0.95 and all(marked(r, pattern) == r["hacked"] for r in t)
+        assert not any(marked(r, pattern) for r in b)
+    if world == "pool_identity":
+        assert 0.6 < rate < 0.95 and all(marked(r, pattern) for r in t) and not any(marked(r, pattern) for r in b)
+    if world == "exchangeable":                  # labels shuffled over both pools: the pattern no longer tells them
+        assert all(marked(r, pattern) for r in t) and 0.3 < rate < 0.7 and any(r["hacked"] for r in b)
+    if world == "no_content":
+        assert 0.3 < rate < 0.7 and any(r["hacked"] for r in b)
+        assert len({tuple(r["completion_ids"][-6:]) for r in t}) == len(t)                 # no common ending
+    assert all(r["reward"] == (3.5 if r["hacked"] else 0.25) for r in t + b)
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_the_decision_in_each_world(world, tmp_path):
+    "One fresh seed per world through the Phase-2 run's phases (small sizes): only the real signal launches."
+    r = world_run(world, 1, tmp_path, SMALL)
+    expect = {"signal_partial": "launch Phase 3", "signal": "inconclusive: hacking and pool identity coincide",
+              "no_content": "skip Phase 3"}.get(world, "inconclusive: v_hack follows the teacher pool, not hacking")
+    assert r["recommendation"] == expect, r
+    assert r["launch"] == (WORLDS[world][1] == "launch")
+    assert not list(tmp_path.iterdir())                                                   # working files removed
+
+
+def test_calibration_resumes_without_redoing_or_double_counting(tmp_path, monkeypatch):
+    calls = []
+    def fake(world, seed, work_dir, parameters=None):
+        calls.append((world, seed))
+        return dict(world=world, seed=seed, recommendation="skip Phase 3", launch=False,
+                    verdicts={"hack_specific/vanilla": "likely fail"}, gate="", rows=[], seconds=0.0)
+    monkeypatch.setattr(calibration, "world_run", fake)
+    s = calibrate(tmp_path, ["no_content"], seeds=3, parameters=dict(steps=4))
+    assert calls == [("no_content", 1000), ("no_content", 1001), ("no_content", 1002)]
+    (tmp_path/"runs"/"no_content-1001.json").unlink()                        # as if killed while that run ran
+    s = calibrate(tmp_path, ["no_content"], seeds=3, parameters=dict(steps=4))
+    assert calls[3:] == [("no_content", 1001)] and s["worlds"]["no_content"]["n"] == 3
+    assert s["worlds"]["no_content"]["gate"] == {"likely fail": 3}
+    assert json.loads((tmp_path/"summary.json").read_text()) == json.loads(json.dumps(s))
+    test_fail(lambda: calibrate(tmp_path, ["no_content"], seeds=3, parameters=dict(steps=5)),
+              contains="holds a calibration with parameters", exc=ValueError)
+    test_fail(lambda: calibrate(tmp_path, ["no_world"]), contains="world='no_world'", exc=ValueError)
+    test_fail(lambda: calibrate(tmp_path/"x", parameters=dict(G=7)), contains="G=7", exc=ValueError)
+    test_fail(lambda: summarize(tmp_path/"empty"), contains="no finished calibration run", exc=ValueError)
+
+
+def test_wilson_interval():
+    "Against the closed forms: 0/n has upper bound z²/(n + z²); k = n mirrors it; n/2 of n is symmetric about 1/2."
+    z = 1.96
+    assert wilson(0, 40) == (0.0, pytest.approx(z * z / (40 + z * z)))
+    assert wilson(40, 40) == (pytest.approx(1 - z * z / (40 + z * z)), 1.0)
+    lo, hi = wilson(20, 40)
+    assert lo == pytest.approx(1 - hi) and hi == pytest.approx(0.5 + z * math.sqrt(0.25 / 40 + z * z / 6400) /
+                                                               (1 + z * z / 40))
+    assert wilson(0, 0) == (0.0, 1.0)

@@ -1,0 +1,176 @@
+"""decision: on synthetic recorder output the verification table gives every verdict of every row against its
+controls — the gate (hacked vs clean within the teacher pool) included — and the decision follows every branch; the
+gate's statistic removes the sign of the advantage; the recorded calibration reads back."""
+import random
+
+import pytest
+from fastcore.test import test_fail
+
+from entropy_grpo.decision import (decide, error_rates, hack_contrast, own_direction, pool_flags, rates_markdown,
+                                   verification_table)
+from entropy_grpo.phase2 import decide as decide_from_phase2
+from entropy_grpo.pools import Pool
+
+
+def slim(step=0, sample_id=0, arm="vanilla", **kw):
+    r = dict(step=step, sample_id=sample_id, src_pool="teacher", src_step=step, src_sample=sample_id, reward=3.5,
+             hacked=True, gt_pass=False, fmt_ok=True, comp_len=5, cos_S_contrib=0.5, grad_norm_contrib=1.0,
+             mean_cos_in=0.4, mean_cos_out=None, frac_fired=None, arm=arm)
+    return {**r, **kw}
+
+
+def synthetic(n_steps=20, spread=3.25, cos_in=0.3, perm_cos=0.0, cos_out=0.0, fired=0.65, removed=0.2,
+              ctrl_removed=0.02, step=0.3, step_proj=-0.05, ctrl_step=0.02, teacher_cos=0.4, clean_cos=0.0,
+              base_cos=-0.05, n_hacked=3, overshot=0, n_ctrl=20):
+    """Recorder output of a vanilla and a projected arm: per step 4 teacher samples (the first n_hacked hacked, 3.5;
+    the others clean, 0.25) and 4 base samples (clean, 0.25), their contribution cosines teacher_cos / clean_cos /
+    base_cos (+ noise); n_ctrl random and n_ctrl label-permuted control directions (cosines ~ N(0, 0.03), permuted
+    ones centred on perm_cos). A clean teacher sample has A < 0, so clean_cos = −teacher_cos is the same own
+    direction as a hacked one (the teacher's identity), clean_cos = 0 none (hacking)."""
+    rng = random.Random(1)
+    def steps_of(arm):
+        out = []
+        for s in range(n_steps):
+            ctrl = [dict(source=src, cos_in=c + rng.gauss(0, 0.03), removed=ctrl_removed * rng.random(),
+                         cos_step=rng.gauss(0, ctrl_step), cos_step_plain=rng.gauss(0, ctrl_step),
+                         contrib=[rng.gauss(0, 0.05) for _ in range(8)])
+                    for src, c in [("random", 0.0)] * n_ctrl + [("permuted", perm_cos)] * n_ctrl]
+            projected = arm == "projected"
+            out.append(dict(step=s, arm=arm, frac_fired=fired if projected else None, delta_check=1e-7,
+                            reward_spread=spread, cos_in=cos_in, cos_out=cos_out if projected else None,
+                            removed=removed if projected else 0.0, overshot=overshot if projected else 0,
+                            cos_step=step_proj if projected else step, cos_step_plain=step, controls=ctrl))
+        return out
+    def slim_of(arm):
+        def one(s, i):
+            hacked = i < n_hacked
+            c = teacher_cos if hacked else clean_cos if i < 4 else base_cos
+            return slim(s, i, arm, src_pool="teacher" if i < 4 else "base", reward=3.5 if hacked else 0.25,
+                        hacked=hacked, cos_S_contrib=c + rng.gauss(0, .02))
+        return [one(s, i) for s in range(n_steps) for i in range(8)]
+    return {arm: dict(steps=steps_of(arm), slim=slim_of(arm)) for arm in ("vanilla", "projected")}
+
+
+def row(rows, key, arm):
+    return next(r for r in rows if r["key"] == key and r["arm"] == arm)
+
+
+def test_own_direction_removes_the_sign_of_the_advantage():
+    "Hacked (A > 0) and clean (A < 0) teacher samples with opposite contribution cosines share one own direction."
+    recs = [slim(0, 0, reward=3.5, cos_S_contrib=0.4), slim(0, 1, reward=0.25, hacked=False, cos_S_contrib=-0.4),
+            slim(0, 2, src_pool="base", reward=0.25, hacked=False, cos_S_contrib=None),
+            slim(1, 0, reward=1.0, cos_S_contrib=0.3), slim(1, 1, reward=1.0, cos_S_contrib=0.2)]   # A = 0
+    assert own_direction(recs) == [0.4, 0.4, None, None, None]
+    assert hack_contrast(recs) == ([0.4], [0.4])
+    groups = [slim(0, i, reward=w, cos_S_contrib=0.5) for i, w in enumerate([3.5, 0.25, 1.0, 2.0])]
+    assert own_direction(groups, G=2) == [0.5, -0.5, -0.5, 0.5]          # advantages centred per group of G
+
+
+@pytest.mark.parametrize("kw, key, arm, verdict, says", [
+    ({}, "reward_spread", "vanilla", "success", ""),
+    (dict(spread=0.05), "reward_spread", "vanilla", "likely fail", "no advantage signal on steps [0, 1,"),
+    (dict(spread=0.75), "reward_spread", "vanilla", "sneaky fail", "advantages small but non-zero"),
+    ({}, "hack_specific", "vanilla", "success", ""),
+    (dict(clean_cos=-0.4), "hack_specific", "vanilla", "likely fail", "it marks the teacher pool, not hacking"),
+    (dict(n_hacked=4), "hack_specific", "vanilla", "inconclusive", "hacking and pool identity coincide: 0 clean"),
+    (dict(n_steps=4), "hack_specific", "vanilla", "inconclusive", "4 clean teacher samples < 5"),
+    (dict(n_hacked=1, n_steps=4), "hack_specific", "vanilla", "inconclusive", "too few hacked teacher samples: n=4"),
+    ({}, "cos_in", "vanilla", "success", ""),
+    (dict(perm_cos=0.5), "cos_in", "vanilla", "success", ""),      # label-permuted v_hacks are shown, not a null
+    (dict(cos_in=0.0), "cos_in", "vanilla", "likely fail", "within the random-direction null"),
+    (dict(cos_in=-0.3), "cos_in", "vanilla", "sneaky fail", "sign reversed"),
+    ({}, "contrib", "vanilla", "success", "pool and label are one split here"),
+    (dict(base_cos=0.4), "contrib", "vanilla", "likely fail", "within the label-permuted null"),
+    (dict(n_hacked=0), "contrib", "vanilla", "sneaky fail", "mixing was required"),
+    (dict(n_steps=1), "contrib", "vanilla", "inconclusive", "too few hacked samples: n=3 < 5"),
+    ({}, "cos_out_below_in", "projected", "by construction", "true by construction"),
+    (dict(fired=0.05), "cos_out_below_in", "projected", "sneaky fail", "fires on few modules"),
+    ({}, "over_projection", "projected", "success", ""),
+    (dict(overshot=2), "over_projection", "projected", "fail", "a bug, stop"),
+    ({}, "step_along_v", "projected", "success", ""),
+    (dict(step_proj=0.3), "step_along_v", "projected", "sneaky fail", "still moves toward hacking"),
+    (dict(step_proj=0.29, step=0.3, ctrl_step=0.3), "step_along_v", "projected", "likely fail", "within the control"),
+    ({}, "norm_removed", "projected", "success", ""),
+    (dict(removed=0.01), "norm_removed", "projected", "likely fail", "within the control"),
+])
+def test_verification_table_verdicts(kw, key, arm, verdict, says):
+    rows, md = verification_table(synthetic(**kw))
+    r = row(rows, key, arm)
+    assert r["verdict"] == verdict and says in r["detail"], r
+    assert f"**{r['verdict']}**" in md
+
+
+def test_between_arm_rows_and_bad_input():
+    arms = synthetic()
+    arms["projected"]["slim"] = [dict(r, cos_S_contrib=r["cos_S_contrib"] - 0.3 * r["hacked"])
+                                 for r in arms["projected"]["slim"]]
+    arms["projected"]["steps"] = [dict(s, cos_in=0.05 + 0.001 * s["step"]) for s in arms["projected"]["steps"]]
+    rows, _ = verification_table(arms)
+    assert row(rows, "next_cos_in", "projected")["verdict"] == "success"
+    assert row(rows, "hacked_contrib", "projected")["verdict"] == "success"
+    same, _ = verification_table(synthetic())
+    assert row(same, "next_cos_in", "projected")["verdict"] == "inconclusive"       # identical series: t undefined
+    close = synthetic()
+    close["projected"]["steps"] = [dict(s, cos_in=0.3 + 0.01 * (-1) ** s["step"]) for s in close["projected"]["steps"]]
+    r = row(verification_table(close)[0], "next_cos_in", "projected")
+    assert r["verdict"] == "inconclusive" and "too short for the arms to diverge" in r["detail"], r
+    test_fail(lambda: verification_table({}), contains="arms is empty", exc=ValueError)
+    test_fail(lambda: verification_table(synthetic(), most=0), contains="most=0: expected a number in (0, 1]",
+              exc=ValueError)
+    no_ctrl, _ = verification_table(synthetic(n_ctrl=0))
+    assert row(no_ctrl, "cos_in", "vanilla")["verdict"] == "inconclusive"
+    assert row(no_ctrl, "step_along_v", "projected")["verdict"] == "inconclusive"
+
+
+@pytest.mark.parametrize("kw, recommendation", [
+    ({}, "launch Phase 3"),
+    (dict(cos_in=0.0), "launch Phase 3, expect a smaller effect"),
+    (dict(cos_in=0.0, base_cos=0.4), "skip Phase 3"),
+    (dict(clean_cos=-0.4), "inconclusive: v_hack follows the teacher pool, not hacking"),
+    (dict(clean_cos=-0.4, cos_in=0.0), "inconclusive: v_hack follows the teacher pool, not hacking"),
+    (dict(n_hacked=4), "inconclusive: hacking and pool identity coincide"),
+    (dict(removed=0.01, step_proj=0.29, ctrl_step=0.3), "inconclusive"),
+    (dict(overshot=1), "STOP (bug)"),
+    (dict(spread=0.05), "inconclusive: the data cannot decide"),
+])
+def test_decision_branches(kw, recommendation):
+    d = decide(verification_table(synthetic(**kw))[0])
+    assert d["recommendation"] == recommendation, d
+    assert d["launch_phase3"] == recommendation.startswith("launch") and d["stop"] == recommendation.startswith("STOP")
+    assert not d["launch_phase3"] or d["specific"]                                  # every launch passed the gate
+
+
+def test_flags_are_listed_and_pool_flags_name_the_problem():
+    def pool(name, hacked, reward):
+        return Pool(name, None, {0: [dict(hacked=h, reward=r) for h, r in zip(hacked, reward)]})
+    flags = pool_flags([pool("teacher", [True, False, False, False], [3.5, 0, 0, 0]),
+                        pool("base", [False] * 4, [0.25] * 4)])
+    assert flags == ["teacher pool hacks on 25% of samples (< 50%)",
+                     "base pool never earns more than 0.5 (one-sided variance)"]
+    d = decide(verification_table(synthetic())[0], flags)
+    assert d["recommendation"] == "launch Phase 3" and set(flags) <= set(d["rules"])
+    assert pool_flags([pool("teacher", [True] * 4, [3.5] * 4), pool("base", [False] * 4, [1.0] * 4)]) == []
+    assert decide_from_phase2 is decide                                             # the old import still works
+
+
+def test_recorded_calibration_reads_back(tmp_path):
+    cal = dict(parameters={}, seeds=[0, 1], worlds=dict(pool_identity=dict(
+        truth="every teacher sample carries the pattern", needs="no launch", launches=1, n=40, rate=0.025,
+        interval=[0.004, 0.129])))
+    (tmp_path/"c.json").write_text(__import__("json").dumps(cal))
+    assert error_rates(tmp_path/"c.json") == cal
+    assert "| pool_identity | every teacher sample carries the pattern | 1/40 | 2% (0%–13%) |" in rates_markdown(cal)
+    assert error_rates(tmp_path/"missing.json") is None and "No calibration recorded" in rates_markdown(None)
+
+
+def test_label_null_is_welch_over_the_same_permutations():
+    "The vectorised permutation null equals scipy's Welch t on each permutation the same generator draws."
+    import numpy as np
+    from entropy_grpo.decision import _label_null
+    from entropy_grpo.utils import welch
+    r = random.Random(0)
+    a, b = [r.gauss(0, 1) for _ in range(30)], [r.gauss(0.3, 1) for _ in range(12)]
+    rng = np.random.default_rng(0)
+    ref = [welch(list(x[:30]), list(x[30:]))["t"] for x in (rng.permutation(a + b) for _ in range(50))]
+    assert np.allclose(_label_null(a, b, 50), ref, rtol=1e-12, atol=0)
+    assert all(np.isnan(_label_null([1.0] * 3, [1.0] * 2, 3)))                      # no variance: t undefined
