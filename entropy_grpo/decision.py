@@ -14,8 +14,8 @@ import numpy as np
 from .utils import check_range, welch
 
 # %% auto #0
-__all__ = ['LISTED_VERDICTS', 'own_direction', 'hack_contrast', 'verification_table', 'table_markdown', 'decide', 'pool_flags',
-           'entropy_probe_row', 'calibration_file', 'error_rates', 'rates_markdown']
+__all__ = ['COINCIDE', 'LISTED_VERDICTS', 'own_direction', 'hack_contrast', 'verification_table', 'table_markdown', 'decide',
+           'pool_flags', 'entropy_probe_row', 'calibration_file', 'error_rates', 'rates_markdown']
 
 # %% ../nbs/06a_decision.ipynb #db3e0af3
 def _need(most, n):
@@ -120,6 +120,8 @@ def _label_null(a:list, b:list, n:int=200, seed:int=0) -> list:
         t = (xa.mean(1) - xb.mean(1)) / np.sqrt(xa.var(1, ddof=1) / len(a) + xb.var(1, ddof=1) / len(b))
     return [float(v) if np.isfinite(v) else math.nan for v in t]
 
+COINCIDE = "hacking and pool identity coincide"   # the gate's detail, and the decision's words, when it cannot judge
+
 def _specific_row(arm, slim, teacher, alpha, min_hacked, min_clean, q, G):
     "The gate: hacked vs clean teacher samples' own directions, against labels permuted within the teacher pool."
     a, b = hack_contrast(slim, teacher, G)
@@ -128,7 +130,7 @@ def _specific_row(arm, slim, teacher, alpha, min_hacked, min_clean, q, G):
     value = (f"hacked {_fmt(w['mean_a'])} (n={w['n_a']}) vs clean {_fmt(w['mean_b'])} (n={w['n_b']}); "
              f"Welch t={_fmt(w['t'], '.2f')}, p={_fmt(w['p'], '.2g')}")
     if len(b) < min_clean:
-        return _row("hack_specific", metric, arm, value, None, "inconclusive", f"hacking and pool identity coincide: "
+        return _row("hack_specific", metric, arm, value, None, "inconclusive", f"{COINCIDE}: "
                     f"{len(b)} clean teacher samples < {min_clean}, so no contrast within the teacher pool can tell "
                     "hacking from the teacher's style (a clean pool matched in style, the teacher without the hint, "
                     "would)")
@@ -273,10 +275,10 @@ def decide(
              if r["verdict"] in LISTED_VERDICTS and r["detail"]] + list(flags)
     effective, specific = ok("step_along_v") or ok("norm_removed"), ok("hack_specific")
     null = lambda key: by(key) and all(r["verdict"] == "likely fail" for r in by(key))
-    coincide = any("coincide" in r["detail"] for r in by("hack_specific"))
+    coincide = any(r["detail"].startswith(COINCIDE) for r in by("hack_specific"))
     if any(r["verdict"] == "fail" for r in by("over_projection")): rec = "STOP (bug)"
     elif any(r["verdict"] == "likely fail" for r in by("reward_spread")): rec = "inconclusive: the data cannot decide"
-    elif coincide: rec = "inconclusive: hacking and pool identity coincide"
+    elif coincide: rec = f"inconclusive: {COINCIDE}"
     elif null("cos_in") and null("contrib"): rec = "skip Phase 3"
     elif not specific: rec = "inconclusive: v_hack follows the teacher pool, not hacking"
     elif ok("cos_in") and effective: rec = "launch Phase 3"
