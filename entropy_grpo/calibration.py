@@ -8,11 +8,13 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/calibration.html.md"""
 from __future__ import annotations
 import json, math, random, shutil, tempfile
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 from .decision import calibration_file, rates_markdown
 from .phase2_run import Phase2Config, Phase2Run
 from .pools import write_jsonl_gz
+from .reports import git_sha
 from .utils import check_choice, check_range, tqdm_disable, write_json
 
 # %% auto #0
@@ -136,6 +138,8 @@ def calibrate(
     return summarize(out)
 
 # %% ../nbs/06c_calibration.ipynb #b2497596
+_PER_RUN = ("model", "seed", "teacher_pool", "base_pool", "out_dir")   # set by world_run, not the calibration
+
 def summarize(out_dir:str|Path, record:bool=False) -> dict:
     "Launch rate per world with its Wilson 95% interval (summary.json; record=True also writes the package's copy)."
     out = Path(out_dir)
@@ -150,7 +154,10 @@ def summarize(out_dir:str|Path, record:bool=False) -> dict:
                          gate=dict(Counter(v for r in rs for key, v in r["verdicts"].items()
                                            if key.startswith("hack_specific/"))))
     params = json.loads((out/"parameters.json").read_text()) if (out/"parameters.json").exists() else {}
-    s = dict(parameters={**params, "model": "tiny"}, seeds=sorted({r["seed"] for r in runs}), worlds=worlds)
+    config = asdict(Phase2Config(**params))
+    seeds = sorted({r["seed"] for r in runs})
+    s = dict(parameters={k: v for k, v in config.items() if k not in _PER_RUN}, seeds=dict(first=seeds[0],
+             last=seeds[-1], n=len(seeds)), git_sha=git_sha(), worlds=worlds)
     write_json(out/"summary.json", s)
     if record: write_json(Path(str(calibration_file())), s)
     return s
@@ -166,7 +173,8 @@ def calibration_figure(summary:dict, path:str|Path|None=None):
                     color="tab:green" if r["needs"] == "launch" else "tab:red")
     ax.axhline(0.05, color="tab:red", lw=0.5, ls="--"); ax.axhline(0.8, color="tab:green", lw=0.5, ls="--")
     ax.set_xticks(range(len(ws)), [f"{w}\n{r['launches']}/{r['n']}" for w, r in ws.items()], fontsize=8)
-    ax.set(ylabel="launch rate (95% interval)", ylim=(-0.05, 1.05))
+    ax.set(ylabel="launch rate (95% interval)", ylim=(-0.05, 1.05),
+           title=f"Phase-2 decision: launches per world ({summary['seeds']['n']} seeds each; targets ≤ 5% and ≥ 80%)")
     fig.tight_layout()
     if path: fig.savefig(path, dpi=100)
     return fig
