@@ -94,7 +94,7 @@ def _score_E(sp, E, mode, weights, support=None, return_support=False, per_token
 def _snis(logw:Tensor, S:Tensor, L:Tensor, zero:Tensor) -> dict:
     "Global SNIS sums: weights exp(log w − global max), zero where q_θ⁺(Y) = 0; every sum all-reduced."
     logw = logw.masked_fill(zero, float("-inf"))
-    mx = all_reduce_extreme(logw.max() if logw.numel() else torch.tensor(float("-inf"), dtype=logw.dtype), "max")
+    mx = all_reduce_extreme(logw.max() if logw.numel() else logw.new_tensor(float("-inf")), "max")
     w = torch.exp(logw - mx).masked_fill(zero, 0.0)
     sums = torch.stack([w.sum(), (w * w).sum(), (w * S).sum(), (w * L).sum()])
     all_reduce_sum([sums])
@@ -241,6 +241,12 @@ class DeltaEntropyIS:
         check_choice("on_nonfinite", on_nonfinite, ("raise", "nan"))
         lrs = list(lrs)
         if not lrs: raise ValueError("lrs=[]: expected at least one learning rate")
+        low = sorted({str(p.dtype) for p in self.model.parameters() if p.dtype in (torch.bfloat16, torch.float16)})
+        if low:   # a GPU loads models in bf16: a direct call would return rounding as ΔH
+            raise ValueError(f"the model has {', '.join(low).replace('torch.', '')} parameters: the entropy probe "
+                             "refuses to measure a step of relative size 1e-5 below that resolution; score a float64 "
+                             "copy (probe_copy(sp, optimizer, torch.float64), as run_mixed_probe does) or a float32 "
+                             "model")
         for lr in lrs:
             if lr is not None: check_range("lr", lr, 0)
         E = as_batched_sequences(E_batch, "E_batch")
@@ -345,8 +351,8 @@ class DeltaEntropyIS:
     def _combine(self, before, after, fixed, cfg, notes) -> dict:
         "Global H_orig, H_upd (true and fixed-support), ESS, SEs, coverage and weight diagnostics."
         base = torch.stack([before["S"].sum(), before["L"].sum(),
-                            torch.tensor(float(before["S"].numel()), dtype=torch.float64),
-                            torch.tensor(float(before["n_tok"]), dtype=torch.float64),
+                            before["S"].new_tensor(float(before["S"].numel()), dtype=torch.float64),
+                            before["S"].new_tensor(float(before["n_tok"]), dtype=torch.float64),
                             (after["out"] & ~before["out"]).sum().double(), before["out"].sum().double()])
         all_reduce_sum([base])
         sumS, sumL, n_E, n_tok, n_left, n_round = (float(v) for v in base)
@@ -363,12 +369,12 @@ class DeltaEntropyIS:
         finite = logw[~zero]
         # delta-method influence of each E sequence on ΔH (paired: the same sequence at θ and θ⁺)
         psi = lambda r, S, H: (r["w"] * (n_E / r["sw"])) * (S - H) - (before["S"] - H_orig)
-        stats = torch.stack([finite.sum(), torch.tensor(float(finite.numel()), dtype=torch.float64),
+        stats = torch.stack([finite.sum(), finite.new_tensor(float(finite.numel()), dtype=torch.float64),
                              zero.sum().double(), (psi(true, after["S"], H_upd) ** 2).sum(),
                              (psi(fix, fixed["S"], H_fix) ** 2).sum()])
         all_reduce_sum([stats])
-        lmin = all_reduce_extreme(finite.min() if finite.numel() else torch.tensor(float("inf"), dtype=torch.float64),
-                                  "min")
+        lmin = all_reduce_extreme(finite.min() if finite.numel()
+                                  else finite.new_tensor(float("inf"), dtype=torch.float64), "min")
         ess = float(true["sw"] ** 2 / true["sw2"])
         if ess < cfg["min_ess_frac"] * n_E:
             notes.append(f"ESS {ess:.1f} is below min_ess_frac={cfg['min_ess_frac']} of |E|={int(n_E)}: the SNIS "

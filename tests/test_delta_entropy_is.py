@@ -217,3 +217,13 @@ def test_one_process_equals_two_processes(tiny64, tmp_path):
         assert abs(one[k] - two[k]) <= 1e-9 * max(1.0, abs(one[k])), (k, one[k], two[k])
     for k in ("n_E", "n_zero_weight_sequences", "n_support_changed_positions"):
         assert one[k] == two[k], k
+
+
+def test_a_bf16_model_is_refused_by_every_entry_point(tiny):
+    "A direct call on a bf16 model (how a GPU loads it) refuses, as run_mixed_probe does, rather than measure rounding."
+    model, sp, E, U, opt = make_probe(tiny)
+    model.to(torch.bfloat16)
+    probe = DeltaEntropyIS(model, sp.config, sequence_processor=sp)
+    for call in (lambda: probe.entropy_change(E, U, opt), lambda: probe.entropy_change_two_batch(model, E, U, opt),
+                 lambda: probe.entropy_changes(E, U, opt, [1e-3])):
+        test_fail(call, contains="the model has bfloat16 parameters", exc=ValueError)
