@@ -26,8 +26,10 @@ class TrainingState:
     "A restorable copy of model, grads, optimizer, scheduler and RNG state."
     def __init__(self, model, optimizer=None, scheduler=None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.tensors = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
-        self.grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+        stepped = {id(p) for g in (optimizer.param_groups if optimizer is not None else []) for p in g["params"]}
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad or id(p) in stepped}
+        self.tensors = {n: p.detach().clone() for n, p in self.params.items()}
+        self.grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in self.params.items()}
         self.opt = None if optimizer is None else copy.deepcopy(optimizer.state_dict())
         self.sched = None if scheduler is None else copy.deepcopy(scheduler.state_dict())
         self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
@@ -35,8 +37,8 @@ class TrainingState:
 
     @torch.no_grad()
     def restore(self):
-        for k, v in self.model.state_dict(keep_vars=True).items(): v.copy_(self.tensors[k])
-        for n, p in self.model.named_parameters():
+        for n, p in self.params.items(): p.copy_(self.tensors[n])
+        for n, p in self.params.items():
             g = self.grads[n]
             if g is None: p.grad = None
             elif p.grad is None: p.grad = g.clone()

@@ -227,3 +227,18 @@ def test_a_bf16_model_is_refused_by_every_entry_point(tiny):
     for call in (lambda: probe.entropy_change(E, U, opt), lambda: probe.entropy_change_two_batch(model, E, U, opt),
                  lambda: probe.entropy_changes(E, U, opt, [1e-3])):
         test_fail(call, contains="the model has bfloat16 parameters", exc=ValueError)
+
+
+def test_snapshot_holds_only_what_a_step_changes(fresh_tiny):
+    "With an adapter the snapshot is the adapter's tensors (frozen weights and buffers are not copied); restore works."
+    from entropy_grpo.adapters import add_lora
+    from entropy_grpo.delta_entropy_is import TrainingState
+    model, _ = fresh_tiny
+    la = add_lora(model, ["q_proj"], r=2)
+    opt = torch.optim.AdamW(la.parameters(), lr=1e-2)
+    st = TrainingState(model, opt)
+    assert set(st.tensors) == {n for d in la.param_names().values() for n in d.values()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward(); opt.step()
+    st.restore()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
