@@ -196,6 +196,15 @@ def probe_copy(
     opt.load_state_dict(optimizer.state_dict())                      # floating-point state cast to the new dtype
     return SequenceProcessor(model, sp.tokenizer, sp.config, progress=sp.progress), opt
 
+@torch.no_grad()
+def _ulp_steps(params:list, seed:int, undo:bool=False):
+    "Move every entry one ulp up or down (a fair coin per entry, from `seed`); undo=True steps back exactly."
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        up = (torch.rand(p.shape, generator=gen) < 0.5).to(p.device)
+        inf = torch.tensor(float("inf"), dtype=p.dtype, device=p.device)
+        p.copy_(torch.nextafter(p, torch.where(up != undo, inf, -inf)))
+
 # %% ../nbs/02_delta_entropy_is.ipynb #f4d4a3a5
 class DeltaEntropyIS:
     "True one-step entropy change of the sampling distribution: real step on U, SNIS re-scoring of E, exact restore."
@@ -420,19 +429,14 @@ class DeltaEntropyIS:
                                            dtype=torch.float64)])[0]
         H_orig = float(tot[0] / tot[1])
         params = [p for p in self.model.parameters() if p.is_floating_point()]
-        saved, gen, diffs = [p.detach().clone() for p in params], torch.Generator().manual_seed(seed), []
-        zero = torch.zeros_like(before["out"].any(-1))
-        try:
-            for _ in range(draws):
-                for p, s in zip(params, saved):
-                    up = (torch.rand(s.shape, generator=gen) < 0.5).to(s.device)
-                    inf = torch.tensor(float("inf"), dtype=s.dtype, device=s.device)
-                    p.copy_(torch.nextafter(s, torch.where(up, inf, -inf)))
+        zero, diffs = torch.zeros_like(before["out"].any(-1)), []
+        for k in range(draws):                  # no copy of θ: a one-ulp step is undone by one ulp back
+            _ulp_steps(params, seed * 1_000_003 + k, undo=False)
+            try:
                 pert = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], support=before["support"])
                 r = _snis(pert["logq"] - before["logq"], pert["S"], pert["L"], zero)
                 diffs.append(float(r["swS"] / r["sw"]) - H_orig)
-        finally:
-            for p, s in zip(params, saved): p.copy_(s)
+            finally: _ulp_steps(params, seed * 1_000_003 + k, undo=True)
         dt = next(self.model.parameters()).dtype
         res = torch.finfo(dt).eps * abs(H_orig)                         # one ulp of H itself
         return dict(floor=max([res] + [abs(d) for d in diffs]), diffs=diffs, dtype=str(dt).replace("torch.", ""),

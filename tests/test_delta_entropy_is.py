@@ -242,3 +242,16 @@ def test_snapshot_holds_only_what_a_step_changes(fresh_tiny):
     model(torch.tensor([[1, 2, 3]])).logits.sum().backward(); opt.step()
     st.restore()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_noise_floor_copies_no_parameters_and_restores_them(tiny64, monkeypatch):
+    "The floor's one-ulp perturbations are undone by one ulp back: nothing the size of θ is cloned, θ comes back."
+    model, sp, E, U, opt = make_probe(tiny64, prior_step=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cloned, clone = [], torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: (cloned.append(t.numel()), clone(t, *a, **k))[1])
+    out = DeltaEntropyIS(model, sp.config, sequence_processor=sp).noise_floor(E, draws=2)
+    monkeypatch.undo()
+    assert out["floor"] > 0 and len(out["diffs"]) == 2
+    assert sum(cloned) < sum(p.numel() for p in model.parameters()) / 10, sum(cloned)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
