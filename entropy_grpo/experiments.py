@@ -14,6 +14,7 @@ import numpy as np
 from .reports import (TEMPLATES, git_sha, log_run, template_path,  # noqa: F401  (this module's names too)
                                   _rel, check_parameters, read_metrics, repo_root, run_notebook,
                                   run_status, run_summary)
+from .plan import add_plan_parser, plan, plan_report
 from .utils import write_json
 
 # %% auto #0
@@ -266,6 +267,7 @@ def cli_parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="print what would run and what is already done")
     s.add_argument("-p", action="append", metavar="NAME=VALUE")
     add_slurm_arguments(s)
+    add_plan_parser(sub)
     r = sub.add_parser("report", help="summarise a sweep directory (last-5-step hack rate per arm, mean ± spread)")
     r.add_argument("exp_dir")
     po = sub.add_parser("pools", help="build a replay pool (step_NNN.jsonl.gz files)")
@@ -308,6 +310,9 @@ def main(argv=None):
         out = run_sweep(a.template, a.seeds, a.arms, a.steps, exp=a.exp, params=_kv(a.p), executor=a.executor,
                         max_parallel=a.max_parallel, force=a.force, dry_run=a.dry_run, slurm=slurm_settings(a))
         print(json.dumps({k: v for k, v in out.items() if k != "summary"}, indent=1, default=str))
+        return 0
+    if a.cmd == "plan":
+        print(plan_report(plan(_kv(a.p))))
         return 0
     if a.cmd == "report":
         print(json.dumps(summarize(a.exp_dir), indent=1))
