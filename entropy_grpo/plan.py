@@ -122,7 +122,7 @@ def plan_phases(s:dict, run:RunShape) -> list[dict]:
               head=head(2 * run.max_new_tokens, 4))
     T, T_E, T_v = n_seq * ctx, run.E_sequences * ctx, 2 * run.n_pairs * ctx
     rows = [("generation", gen, 2 * P * T + attn(n_seq, 0, ctx),
-             f"{math.ceil(n_seq / per_call)} generate calls of {per_call} sequences"),
+             f"{math.ceil(n_seq / per_call)} generate call(s) of {per_call} sequences"),
             ("training step", trn, (8 + 2 * ckpt + 2 * (run.beta > 0)) * P * T + 4 * attn(n_seq, 0, ctx),
              f"backward over {mb_seq} sequences; checkpointing {'on' if ckpt else 'off'}"),
             ("entropy probe", prb, 2 * P * 3 * T_E + 8 * P * T + 4 * attn(run.E_sequences, 0, ctx),
