@@ -289,6 +289,7 @@ class LoraAdapter(Adapter):
         inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, target_modules=names, lora_dropout=0.0, bias="none"),
                                 model)
         for p in model.parameters(): p.requires_grad_(False)
+        for p in self.parameters(): p.data = p.data.float()    # float32 whatever the model's dtype, as peft keeps them
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for ps in self.module_params().values():

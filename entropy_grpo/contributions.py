@@ -34,14 +34,14 @@ def sample_losses(
     loss_mode:str="grpo",      # "grpo" | "nll"
     length_norm:str="sample",  # "sample" | "realized" | "max_len" (dr_grpo.length_normaliser)
     max_len:int|None=None,     # L_max for length_norm="max_len"
-    num_prompts:int|None=None, # global prompts the loss averages over (grpo); default B
+    num_prompts:int|None=None, # global prompts the loss averages over; default B
 ) -> Tensor:                   # [B, G] each sample's term; .sum() is the batch loss
     "Each sample's term of the batch loss (grpo: dr_grpo_loss's own per-sample terms; nll: −Σ log q / L / n)."
     check_choice("loss_mode", loss_mode, LOSS_MODES)
     B, G, _ = logp.shape
     if loss_mode == "nll":
         L = length_normaliser(gen_mask, max_len, length_norm).to(logp.dtype)
-        return -(logp * gen_mask).sum(-1) / L / (B * G)
+        return -(logp * gen_mask).sum(-1) / L / ((num_prompts or B) * G)
     if advantages is None: raise ValueError("loss_mode='grpo' needs advantages [B, G]")
     adv = advantages.to(device=logp.device, dtype=logp.dtype)
     return dr_grpo_loss(logp, None, adv, gen_mask, max_len, length_norm=length_norm, num_prompts=num_prompts,
@@ -164,6 +164,20 @@ class Contributions:
         return torch.cat([g.flatten(1) for g in self.grads.values()], 1)
 
 # %% ../nbs/04b_contributions.ipynb #9304f54a
+def _contributions(sp, seqs, params, advantages, loss_mode, length_norm, max_len, method, owners, num_prompts):
+    "One microbatch: teacher-force `seqs` once and return each sample's gradient of its own loss term."
+    B, G, _ = seqs.shape
+    hooks = _LinearGradHooks(owners, params, B * G) if method == "hooks" else None
+    with (hooks or nullcontext()):
+        res, _ = sp.teacher_force_logprobs(seqs, with_grad=True, compute_rb=False)
+    losses = sample_losses(res.logprobs, res.gen_mask, advantages, loss_mode, length_norm, max_len,
+                           num_prompts).reshape(-1)
+    if hooks is not None:
+        hooks.check_rows()
+        torch.autograd.grad(losses.sum(), list(params.values()), allow_unused=True)
+        return hooks.grads, losses.detach()
+    return per_sample_grads(losses, params, method), losses.detach()
+
 def sample_contributions(
     sp:SequenceProcessor,      # scores with its model and sampling config
     seqs:BatchedSequences,     # [B, G, T], e.g. from `replay_batch`
@@ -175,8 +189,9 @@ def sample_contributions(
     max_len:int|None=None,     # L_max for length_norm="max_len"; default sp.config.max_new_tokens
     method:str="auto",         # "auto" | "hooks" | "vmap" | "loop"
     num_prompts:int|None=None, # global prompts the loss averages over (as in training); default B
+    prompts_per_microbatch:int|None=None,  # prompts per graph; default max(1, tf_batch_size // G), as in training
 ) -> Contributions:
-    "Teacher-force `seqs` once and return every sample's gradient of its own loss term w.r.t. `params`."
+    "Teacher-force `seqs` microbatch by microbatch; every sample's gradient of its own loss term w.r.t. `params`."
     check_choice("method", method, GRAD_METHODS)
     params = as_params(params)
     B, G, _ = seqs.shape
@@ -186,18 +201,12 @@ def sample_contributions(
         raise ValueError("method='hooks' needs every parameter to be the weight, bias or δS of an nn.Linear "
                          "other than the LM head; use 'vmap'")
     method = ("hooks" if owners is not None else "vmap") if method == "auto" else method
-    hooks = _LinearGradHooks(owners, params, B * G) if method == "hooks" else None
-    with (hooks or nullcontext()):
-        res, _ = sp.teacher_force_logprobs(seqs, with_grad=True, compute_rb=False)
-    losses = sample_losses(res.logprobs, res.gen_mask, advantages, loss_mode, length_norm, max_len,
-                           num_prompts).reshape(-1)
-    if hooks is not None:
-        hooks.check_rows()
-        torch.autograd.grad(losses.sum(), list(params.values()), allow_unused=True)
-        grads = hooks.grads
-    else:
-        grads = per_sample_grads(losses, params, method)
-    return Contributions(grads, losses.detach(), method)
+    step = prompts_per_microbatch or max(1, sp.config.tf_batch_size // G)
+    parts = [_contributions(sp, seqs[s:s + step], params, None if advantages is None else advantages[s:s + step],
+                            loss_mode, length_norm, max_len, method, owners, num_prompts or B)
+             for s in range(0, B, step)]                  # one graph at a time: samples' terms are independent
+    grads = {k: torch.cat([g[k] for g, _ in parts]) for k in parts[0][0]}
+    return Contributions(grads, torch.cat([l for _, l in parts]), method)
 
 # %% ../nbs/04b_contributions.ipynb #78544281
 COS_REDUCE = ("concat", "module_mean")

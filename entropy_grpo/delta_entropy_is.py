@@ -26,8 +26,10 @@ class TrainingState:
     "A restorable copy of model, grads, optimizer, scheduler and RNG state."
     def __init__(self, model, optimizer=None, scheduler=None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.tensors = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
-        self.grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+        stepped = {id(p) for g in (optimizer.param_groups if optimizer is not None else []) for p in g["params"]}
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad or id(p) in stepped}
+        self.tensors = {n: p.detach().clone() for n, p in self.params.items()}
+        self.grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in self.params.items()}
         self.opt = None if optimizer is None else copy.deepcopy(optimizer.state_dict())
         self.sched = None if scheduler is None else copy.deepcopy(scheduler.state_dict())
         self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
@@ -35,8 +37,8 @@ class TrainingState:
 
     @torch.no_grad()
     def restore(self):
-        for k, v in self.model.state_dict(keep_vars=True).items(): v.copy_(self.tensors[k])
-        for n, p in self.model.named_parameters():
+        for n, p in self.params.items(): p.copy_(self.tensors[n])
+        for n, p in self.params.items():
             g = self.grads[n]
             if g is None: p.grad = None
             elif p.grad is None: p.grad = g.clone()
@@ -94,7 +96,7 @@ def _score_E(sp, E, mode, weights, support=None, return_support=False, per_token
 def _snis(logw:Tensor, S:Tensor, L:Tensor, zero:Tensor) -> dict:
     "Global SNIS sums: weights exp(log w − global max), zero where q_θ⁺(Y) = 0; every sum all-reduced."
     logw = logw.masked_fill(zero, float("-inf"))
-    mx = all_reduce_extreme(logw.max() if logw.numel() else torch.tensor(float("-inf"), dtype=logw.dtype), "max")
+    mx = all_reduce_extreme(logw.max() if logw.numel() else logw.new_tensor(float("-inf")), "max")
     w = torch.exp(logw - mx).masked_fill(zero, 0.0)
     sums = torch.stack([w.sum(), (w * w).sum(), (w * S).sum(), (w * L).sum()])
     all_reduce_sum([sums])
@@ -194,6 +196,15 @@ def probe_copy(
     opt.load_state_dict(optimizer.state_dict())                      # floating-point state cast to the new dtype
     return SequenceProcessor(model, sp.tokenizer, sp.config, progress=sp.progress), opt
 
+@torch.no_grad()
+def _ulp_steps(params:list, seed:int, undo:bool=False):
+    "Move every entry one ulp up or down (a fair coin per entry, from `seed`); undo=True steps back exactly."
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        up = (torch.rand(p.shape, generator=gen) < 0.5).to(p.device)
+        inf = torch.tensor(float("inf"), dtype=p.dtype, device=p.device)
+        p.copy_(torch.nextafter(p, torch.where(up != undo, inf, -inf)))
+
 # %% ../nbs/02_delta_entropy_is.ipynb #f4d4a3a5
 class DeltaEntropyIS:
     "True one-step entropy change of the sampling distribution: real step on U, SNIS re-scoring of E, exact restore."
@@ -241,6 +252,12 @@ class DeltaEntropyIS:
         check_choice("on_nonfinite", on_nonfinite, ("raise", "nan"))
         lrs = list(lrs)
         if not lrs: raise ValueError("lrs=[]: expected at least one learning rate")
+        low = sorted({str(p.dtype) for p in self.model.parameters() if p.dtype in (torch.bfloat16, torch.float16)})
+        if low:   # a GPU loads models in bf16: a direct call would return rounding as ΔH
+            raise ValueError(f"the model has {', '.join(low).replace('torch.', '')} parameters: the entropy probe "
+                             "refuses to measure a step of relative size 1e-5 below that resolution; score a float64 "
+                             "copy (probe_copy(sp, optimizer, torch.float64), as run_mixed_probe does) or a float32 "
+                             "model")
         for lr in lrs:
             if lr is not None: check_range("lr", lr, 0)
         E = as_batched_sequences(E_batch, "E_batch")
@@ -345,8 +362,8 @@ class DeltaEntropyIS:
     def _combine(self, before, after, fixed, cfg, notes) -> dict:
         "Global H_orig, H_upd (true and fixed-support), ESS, SEs, coverage and weight diagnostics."
         base = torch.stack([before["S"].sum(), before["L"].sum(),
-                            torch.tensor(float(before["S"].numel()), dtype=torch.float64),
-                            torch.tensor(float(before["n_tok"]), dtype=torch.float64),
+                            before["S"].new_tensor(float(before["S"].numel()), dtype=torch.float64),
+                            before["S"].new_tensor(float(before["n_tok"]), dtype=torch.float64),
                             (after["out"] & ~before["out"]).sum().double(), before["out"].sum().double()])
         all_reduce_sum([base])
         sumS, sumL, n_E, n_tok, n_left, n_round = (float(v) for v in base)
@@ -363,12 +380,12 @@ class DeltaEntropyIS:
         finite = logw[~zero]
         # delta-method influence of each E sequence on ΔH (paired: the same sequence at θ and θ⁺)
         psi = lambda r, S, H: (r["w"] * (n_E / r["sw"])) * (S - H) - (before["S"] - H_orig)
-        stats = torch.stack([finite.sum(), torch.tensor(float(finite.numel()), dtype=torch.float64),
+        stats = torch.stack([finite.sum(), finite.new_tensor(float(finite.numel()), dtype=torch.float64),
                              zero.sum().double(), (psi(true, after["S"], H_upd) ** 2).sum(),
                              (psi(fix, fixed["S"], H_fix) ** 2).sum()])
         all_reduce_sum([stats])
-        lmin = all_reduce_extreme(finite.min() if finite.numel() else torch.tensor(float("inf"), dtype=torch.float64),
-                                  "min")
+        lmin = all_reduce_extreme(finite.min() if finite.numel()
+                                  else finite.new_tensor(float("inf"), dtype=torch.float64), "min")
         ess = float(true["sw"] ** 2 / true["sw2"])
         if ess < cfg["min_ess_frac"] * n_E:
             notes.append(f"ESS {ess:.1f} is below min_ess_frac={cfg['min_ess_frac']} of |E|={int(n_E)}: the SNIS "
@@ -412,19 +429,14 @@ class DeltaEntropyIS:
                                            dtype=torch.float64)])[0]
         H_orig = float(tot[0] / tot[1])
         params = [p for p in self.model.parameters() if p.is_floating_point()]
-        saved, gen, diffs = [p.detach().clone() for p in params], torch.Generator().manual_seed(seed), []
-        zero = torch.zeros_like(before["out"].any(-1))
-        try:
-            for _ in range(draws):
-                for p, s in zip(params, saved):
-                    up = (torch.rand(s.shape, generator=gen) < 0.5).to(s.device)
-                    inf = torch.tensor(float("inf"), dtype=s.dtype, device=s.device)
-                    p.copy_(torch.nextafter(s, torch.where(up, inf, -inf)))
+        zero, diffs = torch.zeros_like(before["out"].any(-1)), []
+        for k in range(draws):                  # no copy of θ: a one-ulp step is undone by one ulp back
+            _ulp_steps(params, seed * 1_000_003 + k, undo=False)
+            try:
                 pert = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], support=before["support"])
                 r = _snis(pert["logq"] - before["logq"], pert["S"], pert["L"], zero)
                 diffs.append(float(r["swS"] / r["sw"]) - H_orig)
-        finally:
-            for p, s in zip(params, saved): p.copy_(s)
+            finally: _ulp_steps(params, seed * 1_000_003 + k, undo=True)
         dt = next(self.model.parameters()).dtype
         res = torch.finfo(dt).eps * abs(H_orig)                         # one ulp of H itself
         return dict(floor=max([res] + [abs(d) for d in diffs]), diffs=diffs, dtype=str(dt).replace("torch.", ""),

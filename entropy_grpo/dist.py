@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['world_size', 'rank', 'shard_slice', 'all_reduce_sum', 'all_reduce_extreme', 'all_reduce_counts']
+__all__ = ['BUCKET_NUMEL', 'world_size', 'rank', 'shard_slice', 'comm_device', 'all_reduce_sum', 'all_reduce_extreme',
+           'all_reduce_counts']
 
 # %% ../nbs/00d_dist.ipynb #7a221b03
 def world_size() -> int:
@@ -30,21 +31,43 @@ def shard_slice(n:int, ws:int|None=None, r:int|None=None) -> slice:
     return slice(r * n // ws, (r + 1) * n // ws)
 
 # %% ../nbs/00d_dist.ipynb #73e2bc36
-def all_reduce_sum(tensors:list[Tensor]) -> list[Tensor]:
-    "Sum each tensor across ranks in place (one float64 buffer, one collective); identity on one process."
-    if world_size() == 1 or not tensors: return tensors
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+BUCKET_NUMEL = 2**25   # elements per collective: 128 MB of float32 gradients at most in flight
+
+def comm_device() -> torch.device:
+    "Where collectives run: the current CUDA device for an NCCL group, the CPU for gloo (and without a group)."
+    d = torch.distributed
+    if d.is_available() and d.is_initialized() and d.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+def _reduce_bucket(bucket:list[Tensor], dev:torch.device):
+    "One collective over `bucket` (one dtype) on `dev`; results copied back in place."
+    flat = torch.cat([t.reshape(-1).to(dev) for t in bucket])
     torch.distributed.all_reduce(flat)
     o = 0
-    for t in tensors:
-        t.copy_(flat[o:o + t.numel()].view_as(t).to(t.dtype)); o += t.numel()
+    for t in bucket:
+        t.copy_(flat[o:o + t.numel()].view_as(t)); o += t.numel()
+
+def all_reduce_sum(tensors:list[Tensor], bucket_numel:int=BUCKET_NUMEL) -> list[Tensor]:
+    "Sum each tensor across ranks in place, in its own dtype, one collective per bucket; identity on one process."
+    if world_size() == 1 or not tensors: return tensors
+    dev, groups = comm_device(), {}
+    for t in tensors: groups.setdefault(t.dtype, []).append(t)
+    for group in groups.values():
+        bucket, n = [], 0
+        for t in group:
+            if bucket and n + t.numel() > bucket_numel: _reduce_bucket(bucket, dev); bucket, n = [], 0
+            bucket.append(t); n += t.numel()
+        _reduce_bucket(bucket, dev)
     return tensors
 
 def all_reduce_extreme(t:Tensor, op:str) -> Tensor:
     "Global 'max' or 'min' of a tensor, in place; identity on one process."
     if world_size() > 1:
-        torch.distributed.all_reduce(t, op=dict(max=torch.distributed.ReduceOp.MAX,
-                                                min=torch.distributed.ReduceOp.MIN)[op])
+        d, dev = torch.distributed, comm_device()
+        buf = t.to(dev)
+        d.all_reduce(buf, op=dict(max=d.ReduceOp.MAX, min=d.ReduceOp.MIN)[op])
+        if buf is not t: t.copy_(buf)
     return t
 
 def all_reduce_counts(d:dict, keys:list) -> dict:

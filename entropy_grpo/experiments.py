@@ -6,7 +6,7 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/experiments.html.md"""
 
 # %% ../nbs/07_experiments.ipynb #f8f129bd
 from __future__ import annotations
-import argparse, ast, datetime as dt, json, math, shutil
+import argparse, ast, datetime as dt, json, math, os, shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +14,13 @@ import numpy as np
 from .reports import (TEMPLATES, git_sha, log_run, template_path,  # noqa: F401  (this module's names too)
                                   _rel, check_parameters, read_metrics, repo_root, run_notebook,
                                   run_status, run_summary)
+from .plan import add_plan_parser, plan, plan_report
 from .utils import write_json
 
 # %% auto #0
-__all__ = ['DEMO_PARAMETERS', 'DEMO_PHASE_SECONDS', 'hack_rate_separation', 'check_sweep_spec', 'make_executor', 'run_sweep',
-           'summarize', 'cli_parser', 'main']
+__all__ = ['DEMO_PARAMETERS', 'DEMO_PHASE_SECONDS', 'hack_rate_separation', 'check_sweep_spec', 'visible_gpus',
+           'executor_parameters', 'make_executor', 'add_slurm_arguments', 'slurm_settings', 'run_sweep', 'summarize',
+           'cli_parser', 'main']
 
 # %% ../nbs/07_experiments.ipynb #76527fe3
 def hack_rate_separation(curves:list, window:int=5, min_separation:float=0.1) -> dict:
@@ -48,18 +50,74 @@ def check_sweep_spec(exp_dir, spec:dict):
         lines = "; ".join(f"{k}: existing {a!r} vs requested {b!r}" for k, (a, b) in sorted(diff.items()))
         raise ValueError(f"{exp_dir} holds runs made with other parameters ({lines}); use another directory")
 
-def make_executor(kind:str, folder, slurm:dict|None=None):
-    "A submitit executor: 'local' (LocalExecutor) or 'slurm'."
-    import submitit
-    if kind == "local": return submitit.LocalExecutor(folder=str(folder))
-    if kind == "slurm":
-        if shutil.which("sbatch") is None:
-            raise RuntimeError("executor='slurm' but no Slurm was found (sbatch is not on PATH); use executor='local' "
-                               "on one machine")
-        ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
-        ex.update_parameters(**(slurm or {}))
-        return ex
+# %% ../nbs/07_experiments.ipynb #5c1e0a71
+def visible_gpus() -> list[int]:
+    "GPU indices local jobs may use: $CUDA_VISIBLE_DEVICES's when it lists indices, else every device torch sees."
+    env = [s.strip() for s in os.environ.get("CUDA_VISIBLE_DEVICES", "x").split(",") if s.strip()]
+    if all(s.isdigit() for s in env): return [int(s) for s in env]
+    import torch
+    return list(range(torch.cuda.device_count()))
+
+def executor_parameters(kind:str, slurm:dict|None=None, timeout_min:int=24 * 60) -> dict:
+    "The submitit parameters each job gets: one GPU (local: each its own) and `timeout_min` unless `slurm` says else."
+    if kind == "local": return dict(timeout_min=timeout_min, gpus_per_node=min(1, len(visible_gpus())),
+                                    visible_gpus=visible_gpus())
+    if kind == "slurm": return {**dict(timeout_min=timeout_min, gpus_per_node=1), **(slurm or {})}
     raise ValueError(f"executor={kind!r}: expected 'local' or 'slurm'")
+
+class _GpuSlots:
+    "One LocalExecutor per GPU; each job goes to the next GPU once that GPU's previous job has ended."
+    def __init__(self, folder, gpus:list, timeout_min:int):
+        import submitit
+        self.slots, self.n = [], 0
+        for g in gpus:
+            ex = submitit.LocalExecutor(folder=str(folder))
+            ex.update_parameters(timeout_min=timeout_min, gpus_per_node=1, visible_gpus=[g])
+            self.slots.append([ex, None])
+    def submit(self, fn, *args, **kwargs):
+        slot = self.slots[self.n % len(self.slots)]; self.n += 1
+        if slot[1] is not None: slot[1].wait()
+        slot[1] = slot[0].submit(fn, *args, **kwargs)
+        return slot[1]
+
+def make_executor(kind:str, folder, slurm:dict|None=None, timeout_min:int=24 * 60):
+    "The sweep's submitit executor: 'local' (a GPU per job when there are GPUs) or 'slurm' (`executor_parameters`)."
+    import submitit
+    params = executor_parameters(kind, slurm, timeout_min)
+    if kind == "local":
+        if params["visible_gpus"]: return _GpuSlots(folder, params["visible_gpus"], timeout_min)
+        ex = submitit.LocalExecutor(folder=str(folder)); ex.update_parameters(timeout_min=timeout_min)
+        return ex
+    if shutil.which("sbatch") is None:
+        raise RuntimeError("executor='slurm' but no Slurm was found (sbatch is not on PATH); use executor='local' "
+                           "on one machine")
+    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
+    ex.update_parameters(**params)
+    return ex
+
+def _minutes(s:str) -> int:
+    "Slurm's time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) as whole minutes."
+    days, _, rest = s.rpartition("-")
+    p = [int(x) for x in rest.split(":")]
+    if days: h, m, sec = (p + [0, 0])[:3]
+    else: h, m, sec = p if len(p) == 3 else [0] + (p + [0])[:2]
+    return int(days or 0) * 1440 + h * 60 + m + math.ceil(sec / 60)
+
+def add_slurm_arguments(s:argparse.ArgumentParser):
+    "`sweep`'s Slurm settings: --gpus --time --partition --mem --cpus --sbatch KEY=VALUE."
+    g = s.add_argument_group("Slurm (executor slurm; --dry-run prints them)")
+    g.add_argument("--gpus", type=int, help="GPUs per job (default 1)")
+    g.add_argument("--time", type=_minutes, help="time limit per job: minutes or [D-]HH:MM:SS (default: 24 h)")
+    g.add_argument("--partition"); g.add_argument("--mem", type=int, help="memory per job in GB")
+    g.add_argument("--cpus", type=int, help="CPUs per job")
+    g.add_argument("--sbatch", action="append", metavar="KEY=VALUE", help="any other #SBATCH option, e.g. account=x")
+
+def slurm_settings(a) -> dict:
+    "The Slurm settings the command line set, under submitit's names."
+    out = dict(gpus_per_node=a.gpus, timeout_min=a.time, slurm_partition=a.partition,
+               mem_gb=a.mem, cpus_per_task=a.cpus,
+               slurm_additional_parameters=_kv(a.sbatch) or None)
+    return {k: v for k, v in out.items() if v is not None}
 
 # %% ../nbs/07_experiments.ipynb #de9b1b5f
 def run_sweep(
@@ -93,10 +151,10 @@ def run_sweep(
                   to_run=[_run_name(*x) for x in todo], ran=[], ceiling=None)
     if dry_run:
         print(f"sweep {exp}: {len(plan)} runs, {len(result['skipped'])} done, {len(todo)} to run: {result['to_run']}")
+        print(f"executor {executor}, per job: {executor_parameters(executor, slurm, timeout_min)}")
         return result
     check_sweep_spec(exp_dir, _sweep_spec(template, steps, params))
-    ex = make_executor(executor, exp_dir/"_submitit", slurm)
-    if executor == "local": ex.update_parameters(timeout_min=timeout_min)
+    ex = make_executor(executor, exp_dir/"_submitit", slurm, timeout_min)
     first = [(s, arms[0]) for s in seeds[:ceiling_seeds]]
     waves = [[x for x in todo if x in first], [x for x in todo if x not in first]]
     for i, wave in enumerate(waves):
@@ -213,6 +271,8 @@ def cli_parser() -> argparse.ArgumentParser:
                                                                           help="launch past the cost ceiling")
     s.add_argument("--dry-run", action="store_true", help="print what would run and what is already done")
     s.add_argument("-p", action="append", metavar="NAME=VALUE")
+    add_slurm_arguments(s)
+    add_plan_parser(sub)
     r = sub.add_parser("report", help="summarise a sweep directory (last-5-step hack rate per arm, mean ± spread)")
     r.add_argument("exp_dir")
     po = sub.add_parser("pools", help="build a replay pool (step_NNN.jsonl.gz files)")
@@ -256,8 +316,11 @@ def main(argv=None):
                         {**_kv(a.p), "seeds": a.seeds}, "calibration", root/"runs"/"local"/"LOG.md")
     if a.cmd == "sweep":
         out = run_sweep(a.template, a.seeds, a.arms, a.steps, exp=a.exp, params=_kv(a.p), executor=a.executor,
-                        max_parallel=a.max_parallel, force=a.force, dry_run=a.dry_run)
+                        max_parallel=a.max_parallel, force=a.force, dry_run=a.dry_run, slurm=slurm_settings(a))
         print(json.dumps({k: v for k, v in out.items() if k != "summary"}, indent=1, default=str))
+        return 0
+    if a.cmd == "plan":
+        print(plan_report(plan(_kv(a.p))))
         return 0
     if a.cmd == "report":
         print(json.dumps(summarize(a.exp_dir), indent=1))

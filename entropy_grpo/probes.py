@@ -189,7 +189,7 @@ def _surrogate_coef(res:LogprobResults, estimator:str) -> tuple[Tensor, float, f
     "Coefficient of log q in the surrogate ([B, G, 1] snis, [B, G, T] causal), global N and S̄."
     m = res.gen_mask.to(res.rb_entropies.dtype)
     S = (res.rb_entropies * m).sum(-1)                                   # [B, G]
-    tot = all_reduce_sum([torch.stack([S.sum().double(), torch.tensor(float(S.numel()), dtype=torch.float64)])])[0]
+    tot = all_reduce_sum([torch.stack([S.sum().double(), S.new_tensor(float(S.numel()), dtype=torch.float64)])])[0]
     N, S_bar = float(tot[1]), float(tot[0] / tot[1])
     if estimator == "snis": return (S - S_bar)[..., None] * m, N, S_bar
     Gk = _future_sums(res.rb_entropies, m)

@@ -128,7 +128,7 @@ def completion_gradients(
     loss:str="nll",
     length_norm:str="sample",
     max_len:int|None=None,      # default sp.config.max_new_tokens
-)->dict[str, Tensor]:           # {module: [n, 2, dims[module]]} float32: ∇ℓ(hack), ∇ℓ(clean)
+)->dict[str, Tensor]:           # {module: [n, 2, dims[module]]} float32 on the CPU: ∇ℓ(hack), ∇ℓ(clean)
     "Each completion's loss gradient per module, one forward and one batched backward per pair; .grad untouched."
     length_norm = _check_loss(loss, length_norm)
     if sp.model is not adapter.model: raise ValueError("sp.model is not adapter.model: score with the adapted model")
@@ -141,8 +141,8 @@ def completion_gradients(
         gs = torch.autograd.grad(ls, params, grad_outputs=torch.eye(2, dtype=ls.dtype, device=ls.device),
                                  is_grads_batched=True, allow_unused=True)
         rows.append(torch.cat([torch.zeros(2, p.numel(), device=p.device) if g is None else g.reshape(2, -1).float()
-                               for p, g in zip(params, gs)], 1))
-    flat = torch.stack(rows)                                             # [n, 2, Σ dims]
+                               for p, g in zip(params, gs)], 1).cpu())   # off the GPU per pair (377 MB: r 64, 4 B)
+    flat = torch.stack(rows)                                             # [n, 2, Σ dims] on the CPU
     return dict(zip(dims, flat.split(list(dims.values()), -1)))
 
 def pair_gradient_differences(sp:SequenceProcessor, adapter:Adapter, pairs:BatchedSequences, loss:str="nll",

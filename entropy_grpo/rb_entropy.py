@@ -185,7 +185,8 @@ def sampling_logprobs(
     parts = [token_stats(x, t, top_p, top_k, sup, rb=False)
              for _, x, sup, t in _chunks(logits, temperature, chunk_size, keep, tokens)]
     logq = torch.cat([p["logq"] for p in parts]) if parts else logits.new_zeros(0, dtype=_fdtype(logits))
-    outside = torch.cat([p["outside"] for p in parts]) if parts else torch.zeros(0, dtype=torch.bool)
+    outside = (torch.cat([p["outside"] for p in parts]) if parts
+               else torch.zeros(0, dtype=torch.bool, device=logits.device))
     if not include_tokens: return logq.masked_fill(outside, -math.inf).view(tokens.shape)
     if torch.isneginf(logq).any():
         raise ValueError(f"{int(torch.isneginf(logq).sum())} tokens have logit −inf: they cannot join the kept set")

@@ -78,7 +78,8 @@ def build_prompt(
     user = "\n\n".join(filter(None, [problem.question, INSTRUCTION, hint_text]))
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        no_think = {"enable_thinking": False} if "enable_thinking" in str(tokenizer.chat_template) else {}  # Qwen3
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **no_think)
     return "\n\n".join(filter(None, [system, user])) + "\n"
 
 # %% ../nbs/00b_tasks.ipynb #3595fc12

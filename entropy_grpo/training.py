@@ -20,12 +20,13 @@ from .sequence_processor import BatchedSequences, GenerationConfig, LogprobResul
 from .utils import atomic_path, check_choice, check_range, json_default, tqdm_disable
 
 # %% auto #0
-__all__ = ['SCHEDULERS', 'FLAGS', 'TrainConfig', 'step_problems', 'Rollout', 'GenerationSource', 'apply_lora',
+__all__ = ['SCHEDULERS', 'CHECKPOINT_ABOVE', 'FLAGS', 'TrainConfig', 'step_problems', 'Rollout', 'GenerationSource', 'apply_lora',
            'trainable_parameters', 'save_checkpoint', 'load_checkpoint', 'latest_checkpoint', 'StepContext',
-           'TrainResult', 'train']
+           'TrainResult', 'use_gradient_checkpointing', 'train']
 
 # %% ../nbs/03a_training.ipynb #4a2286c1
 SCHEDULERS = ("constant", "linear", "cosine")
+CHECKPOINT_ABOVE = 1_000_000_000   # parameters: gradient checkpointing on by default above this (Qwen3-4B: on)
 
 @dataclass
 class TrainConfig:
@@ -47,6 +48,7 @@ class TrainConfig:
     scale_rewards:str="none"         # "none" (Dr.GRPO) | "group" | "batch" (global batch std)
     num_iterations:int=1             # μ: optimizer steps per batch; 1 -> ratio ≡ 1 (old log q not needed)
     prompts_per_microbatch:int|None=None  # prompts per backward microbatch; None -> tf_batch_size // G
+    gradient_checkpointing:bool|str|None=None  # recompute layers in backward; None/"auto": on above CHECKPOINT_ABOVE
     hint:bool|str=False              # prompts carry the task's lenient-grader hint (or this text)
     lora_r:int|None=None             # LoRA rank; None = full fine-tuning of every parameter that requires grad
     lora_alpha:float=32.0            # LoRA scale = lora_alpha / lora_r
@@ -82,6 +84,7 @@ class TrainConfig:
         _eps_pair(self.clip_eps)
         check_choice("lr_scheduler", self.lr_scheduler, SCHEDULERS)
         check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        check_choice("gradient_checkpointing", self.gradient_checkpointing, (None, "auto", True, False))
         if not isinstance(self.arm, str) or not self.arm:
             raise ValueError(f"arm={self.arm!r}: expected a non-empty name")
 
@@ -242,12 +245,22 @@ class _Run:
     ref_sp:SequenceProcessor|None
     start:int
     last_ckpt:Path|None
+    reference:object=None   # () -> context manager in which the model is the reference policy
 
-def _setup(model, tokenizer, cfg:TrainConfig, resume_from, out:Path|None) -> _Run:
+def use_gradient_checkpointing(model, cfg:TrainConfig) -> bool:
+    "`cfg.gradient_checkpointing`, or when None whether the model has more than CHECKPOINT_ABOVE parameters."
+    if cfg.gradient_checkpointing not in (None, "auto"): return bool(cfg.gradient_checkpointing)
+    return sum(p.numel() for p in model.parameters()) > CHECKPOINT_ABOVE
+
+def _setup(model, tokenizer, cfg:TrainConfig, resume_from, out:Path|None, reference=None) -> _Run:
     "Wrap, build the optimizer, scheduler and scorers, resume, prepare out_dir."
     from peft import PeftModel
     from transformers import get_scheduler
     if cfg.lora_r is not None: model = apply_lora(model, cfg)
+    if use_gradient_checkpointing(model, cfg):           # transformers 5's name first, then the older one
+        on = getattr(model, "activation_checkpointing_enable", None)
+        if on is not None: on(dict(use_reentrant=False))
+        else: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
     params = list(trainable_parameters(model).values())
     if not params: raise ValueError("the model has no parameter that requires grad: nothing to train")
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
@@ -256,10 +269,11 @@ def _setup(model, tokenizer, cfg:TrainConfig, resume_from, out:Path|None) -> _Ru
                           num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps * cfg.num_iterations)
     sp = SequenceProcessor(model, tokenizer, cfg.generation, progress=False)
     ref_sp = None
-    if cfg.beta > 0 and not isinstance(model, PeftModel):    # full fine-tuning: a frozen copy of the starting model
+    if cfg.beta > 0 and reference is None and isinstance(model, PeftModel): reference = model.disable_adapter
+    if cfg.beta > 0 and reference is None:    # full fine-tuning: a frozen copy of the starting model
         ref_sp = SequenceProcessor(copy.deepcopy(model).requires_grad_(False).eval(), tokenizer, cfg.generation,
                                    progress=False)
-    run = _Run(model, params, opt, sched, sp, ref_sp, 0, None)
+    run = _Run(model, params, opt, sched, sp, ref_sp, 0, None, reference)
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, opt, sched)
         _check_resume(state, cfg, resume_from)
@@ -300,7 +314,7 @@ def _score(run:_Run, seqs:BatchedSequences, cfg:TrainConfig) -> tuple[LogprobRes
     res, _ = run.sp.teacher_force_logprobs(seqs, compute_rb=True)
     if cfg.beta == 0: return res, None
     if run.ref_sp is not None: return res, run.ref_sp.teacher_force_logprobs(seqs, compute_rb=False)[0].logprobs
-    with run.model.disable_adapter(): return res, run.sp.teacher_force_logprobs(seqs, compute_rb=False)[0].logprobs
+    with run.reference(): return res, run.sp.teacher_force_logprobs(seqs, compute_rb=False)[0].logprobs
 
 def _reduce_step(ro:Rollout, res:LogprobResults, step:int, last_ckpt) -> dict:
     "Global sums of the step's rewards, flags, tokens and entropies (one collective), as the record's means."
@@ -379,6 +393,8 @@ def train(
     resume_from:str|Path|None=None,  # a checkpoint folder of this run, e.g. latest_checkpoint(out_dir)
     progress:bool|None=None,         # tqdm bar on rank 0 (throttled); None = only on a terminal
     source=None,                     # source(step, sp, config, seed) -> Rollout; default GenerationSource(task)
+    reference=None,                  # () -> context manager giving the reference policy for beta > 0, e.g. an
+                                     # adapter's `zeroed`; None: peft's disable_adapter, or a frozen copy (full FT)
 )->TrainResult:
     "Dr.GRPO training: per step a rollout from the source, scoring, advantages, μ optimizer steps; log, checkpoint."
     cfg = config if config is not None else TrainConfig()
@@ -390,7 +406,7 @@ def train(
     if source is None and task is None: raise ValueError("train needs a task (live generation) or a source")
     source = source if source is not None else GenerationSource(task)
     out = Path(out_dir) if out_dir is not None else None
-    run = _setup(model, tokenizer, cfg, resume_from, out)
+    run = _setup(model, tokenizer, cfg, resume_from, out, reference)
     ctx, records = StepContext(run.model, run.opt, run.sched, run.sp, cfg), []
     bar = tqdm(range(run.start, cfg.steps), initial=run.start, total=cfg.steps, desc=f"train {cfg.arm}", mininterval=10,
                disable=True if rank() else tqdm_disable(progress))

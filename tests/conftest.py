@@ -16,6 +16,14 @@ from toy_tasks import POOL_GEN, labelled_pools, tiny_pools
 SHARED_POLICIES = ("tiny", "tiny64")
 
 
+def pytest_collection_modifyitems(config, items):
+    "`cuda`-marked tests need a GPU: skipped, with the reason, on a machine without one."
+    if torch.cuda.is_available(): return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords: item.add_marker(skip)
+
+
 def pytest_pycollect_makeitem(collector, name, obj):
     "fastcore's test_fail, imported by name into test modules, is an assertion helper: not a test to collect."
     if obj is test_fail: return []

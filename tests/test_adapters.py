@@ -143,3 +143,20 @@ def test_lora_init_gauge_zeroed_and_save_load(tiny, fresh_tiny, tmp_path):
               contains="differs", exc=ValueError)
     test_fail(lambda: add_lora(copy.deepcopy(tiny[0]), ["k_proj"], r=17),
               contains="r=17: module model.layers.0.self_attn.k_proj", exc=ValueError)
+
+
+def test_lora_weights_are_float32_on_a_bf16_model_and_one_step_moves_them():
+    "One AdamW step at lr 7e-5 on a bf16 policy moves (almost) every lora_A entry: in bf16 most would round away."
+    model, tok = tiny_policy(0, dtype=torch.bfloat16)
+    x, am = batch(tok)
+    la = add_lora(model, ["q_proj", "v_proj"], r=4)
+    assert {p.dtype for p in la.parameters()} == {torch.float32}
+    with torch.no_grad():
+        for ps in la.module_params().values(): ps["lora_B"].normal_(0, 0.2)
+    opt = torch.optim.AdamW(la.parameters(), lr=7e-5)
+    A0 = [ps["lora_A"].detach().clone() for ps in la.module_params().values()]
+    out = model(x, attention_mask=am).logits
+    assert out.dtype == torch.bfloat16
+    out.float().logsumexp(-1).mean().backward(); opt.step()
+    changed = sum(int((ps["lora_A"] != a).sum()) for ps, a in zip(la.module_params().values(), A0))
+    assert changed >= 0.95 * sum(a.numel() for a in A0), (changed, sum(a.numel() for a in A0))

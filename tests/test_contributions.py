@@ -156,3 +156,20 @@ def test_contributions_on_smollm2_lora(tmp_path):
     for m in ("hooks", "vmap"):
         for n, g in con["loop"].grads.items():
             torch.testing.assert_close(con[m].grads[n], g, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_mode", ["grpo", "nll"])
+def test_contributions_in_microbatches_equal_one_graph(pools, lora64, loss_mode):
+    "One graph per prompt gives the rows of one graph over the batch; each teacher-forcing call sees one prompt."
+    sp = lora64
+    seqs = replay_batch([mixed_records(list(pools), 0, 2), mixed_records(list(pools), 1, 2)], sp.tokenizer)
+    B, G = seqs.shape[:2]
+    adv = group_advantages(torch.arange(B * G, dtype=torch.float64).reshape(B, G).cos())
+    whole = sample_contributions(sp, seqs, sp.model, adv, loss_mode=loss_mode, prompts_per_microbatch=B)
+    seen, tf = [], sp.teacher_force_logprobs
+    sp.teacher_force_logprobs = lambda s, **kw: (seen.append(s.shape[0]), tf(s, **kw))[1]
+    try: parts = sample_contributions(sp, seqs, sp.model, adv, loss_mode=loss_mode, prompts_per_microbatch=1)
+    finally: del sp.teacher_force_logprobs
+    assert B > 1 and seen == [1] * B
+    torch.testing.assert_close(parts.losses, whole.losses, rtol=1e-12, atol=1e-14)
+    for n in whole.grads: torch.testing.assert_close(parts.grads[n], whole.grads[n], rtol=1e-9, atol=1e-12)

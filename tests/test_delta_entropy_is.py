@@ -217,3 +217,41 @@ def test_one_process_equals_two_processes(tiny64, tmp_path):
         assert abs(one[k] - two[k]) <= 1e-9 * max(1.0, abs(one[k])), (k, one[k], two[k])
     for k in ("n_E", "n_zero_weight_sequences", "n_support_changed_positions"):
         assert one[k] == two[k], k
+
+
+def test_a_bf16_model_is_refused_by_every_entry_point(tiny):
+    "A direct call on a bf16 model (how a GPU loads it) refuses, as run_mixed_probe does, rather than measure rounding."
+    model, sp, E, U, opt = make_probe(tiny)
+    model.to(torch.bfloat16)
+    probe = DeltaEntropyIS(model, sp.config, sequence_processor=sp)
+    for call in (lambda: probe.entropy_change(E, U, opt), lambda: probe.entropy_change_two_batch(model, E, U, opt),
+                 lambda: probe.entropy_changes(E, U, opt, [1e-3])):
+        test_fail(call, contains="the model has bfloat16 parameters", exc=ValueError)
+
+
+def test_snapshot_holds_only_what_a_step_changes(fresh_tiny):
+    "With an adapter the snapshot is the adapter's tensors (frozen weights and buffers are not copied); restore works."
+    from entropy_grpo.adapters import add_lora
+    from entropy_grpo.delta_entropy_is import TrainingState
+    model, _ = fresh_tiny
+    la = add_lora(model, ["q_proj"], r=2)
+    opt = torch.optim.AdamW(la.parameters(), lr=1e-2)
+    st = TrainingState(model, opt)
+    assert set(st.tensors) == {n for d in la.param_names().values() for n in d.values()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward(); opt.step()
+    st.restore()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_noise_floor_copies_no_parameters_and_restores_them(tiny64, monkeypatch):
+    "The floor's one-ulp perturbations are undone by one ulp back: nothing the size of θ is cloned, θ comes back."
+    model, sp, E, U, opt = make_probe(tiny64, prior_step=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cloned, clone = [], torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: (cloned.append(t.numel()), clone(t, *a, **k))[1])
+    out = DeltaEntropyIS(model, sp.config, sequence_processor=sp).noise_floor(E, draws=2)
+    monkeypatch.undo()
+    assert out["floor"] > 0 and len(out["diffs"]) == 2
+    assert sum(cloned) < sum(p.numel() for p in model.parameters()) / 10, sum(cloned)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

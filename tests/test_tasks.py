@@ -110,6 +110,15 @@ def test_prompt_plain_and_chat_template():
     assert len(tok(chat)["input_ids"]) > 0
 
 
+def test_qwen3_template_gets_thinking_off():
+    "A template that reads enable_thinking (Qwen3's tail, verbatim logic) gets False: the empty think block is added."
+    tok = tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>\n{% if enable_thinking is defined and "
+                         "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    assert build_prompt(P, tok).endswith("<|assistant|>\n<think>\n\n</think>\n\n")
+
+
 def _write(path, lines):
     path.write_text("\n".join(lines) + "\n")
     return path

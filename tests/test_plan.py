@@ -1,0 +1,46 @@
+"""plan: the model built from its config on the meta device (Qwen3-4B: 4.02 B parameters, 8 GB in bf16, KV 147.5 KB
+per token), per-phase memory and FLOPs, the `entropy-grpo plan` command, and the estimate against the resident
+memory measured on CPU for SmolLM2 (within 30%)."""
+import json
+
+import pytest
+from fastcore.test import test_fail
+
+from entropy_grpo.experiments import main
+from entropy_grpo.plan import QWEN3_4B, meta_model, measure_cpu_peak, model_shape, plan
+
+
+def test_qwen3_4b_on_the_meta_device(tmp_path):
+    m = meta_model("Qwen/Qwen3-4B")
+    assert next(m.parameters()).device.type == "meta"
+    s = model_shape(m, lora_r=64)
+    assert s["params"] == 4_022_468_096 and s["targets"] == 144
+    assert round(s["svd_elements"] / 1e9, 2) == 1.49
+    assert s["lora"] * 4 * 2 == pytest.approx(377e6, rel=0.01)         # one pair's (hack, clean) gradients, float32
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B))
+    assert model_shape(meta_model(str(tmp_path / "config.json")), 64) == s
+
+
+def test_full_preset_fits_80_gb_and_names_each_phase(capsys):
+    p = plan(dict(preset="full"))
+    ph = {r["phase"]: r for r in p["phases"]}
+    assert list(ph) == ["generation", "training step", "entropy probe", "v_hack"]
+    assert round(ph["generation"]["weights"] / 1e9, 1) == 8.2 and p["shape"]["d_kv"] * 2 * 36 * 2 == 147_456
+    assert all(r["fits"] for r in p["phases"] if r["phase3"]) and "checkpointing on" in ph["training step"]["note"]
+    off = {r["phase"]: r for r in plan(dict(preset="full", gradient_checkpointing=False))["phases"]}
+    assert off["training step"]["parts"]["activations"] > 10 * ph["training step"]["parts"]["activations"]
+    assert main(["plan", "-p", "preset='full'"]) == 0
+    out = capsys.readouterr().out
+    assert "4.02 B parameters" in out and "KV 147.5 KB per token" in out and "float64 copy 32.2 GB" in out
+    assert "Phase 3 (the train template: generation, training step, v_hack) fits a 80 GB GPU" in out
+    test_fail(lambda: plan(dict(preset="full", microbatch=2)), contains="unknown plan parameter(s) ['microbatch']",
+              exc=ValueError)
+
+
+@pytest.mark.slow
+def test_smollm2_estimate_within_30_percent_of_measured_cpu_peak():
+    "The training step (the run's peak) of full fine-tuning on SmolLM2, float32 on CPU: plan vs resident memory."
+    run = dict(preset="cpu-small", model="default", prompt_len=64, adapter="none", prompts_per_microbatch=1)
+    est = next(r for r in plan(run)["phases"] if r["phase"] == "training step")
+    got = measure_cpu_peak(run)
+    assert abs((est["bytes"] - est["weights"]) / got - 1) < 0.3, (est["bytes"] - est["weights"], got)
