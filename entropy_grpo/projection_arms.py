@@ -17,7 +17,7 @@ from torch import Tensor
 from .adapters import Adapter, check_signature
 from .dr_grpo import LENGTH_NORMS, check_length_norm, dr_grpo_loss
 from .sequence_processor import BatchedSequences, SequenceProcessor, pack_sequences
-from .utils import check_choice
+from .utils import atomic_path, check_choice
 
 # %% auto #0
 __all__ = ['V_HACK_LOSSES', 'V_HACK_SOURCES', 'GATES', 'COS_KEYS', 'NULL_KEYS', 'ARMS', 'ARM_ADAPTER', 'pair_sequences',
@@ -188,7 +188,7 @@ class VHack:
         t = {f"V.{n}": v.cpu().contiguous() for n, v in self.V.items()}
         for tag, d in (("S", self.S), ("vote", self.vote)):
             if d is not None: t.update({f"{tag}.{n}": v.cpu().contiguous() for n, v in d.items()})
-        save_file(t, str(path), metadata={"entropy_grpo_v_hack": json.dumps(self.meta)})
+        with atomic_path(path) as tmp: save_file(t, str(tmp), metadata={"entropy_grpo_v_hack": json.dumps(self.meta)})
 
     @classmethod
     def load(cls, path:str|Path, adapter:Adapter|None=None, device=None) -> "VHack":
