@@ -80,11 +80,13 @@ def pool_pairs(
         if max_pairs is not None and len(triples) == max_pairs: break
     if not triples:
         n_hack = sum(r["hacked"] for r in teacher.records())
+        if n_hack == 0:
+            raise ValueError(f"no (hack, clean) pair: teacher pool {teacher.name!r} has no hacked sample (its teacher "
+                             "never hacked: a policy too small to learn it, e.g. the tiny test policy; give pools that "
+                             "hold hacks, or a larger model)")
         raise ValueError(f"no (hack, clean) pair: teacher pool {teacher.name!r} has {n_hack} hacked samples and base "
-                         "pool "
-                         f"{base.name!r} has clean samples of {len(clean)} problems, none shared (build both pools "
-                         "with "
-                         "the same seed so that they draw the same problems)")
+                         f"pool {base.name!r} clean samples of {len(clean)} problems, none shared (build both pools "
+                         "with the same seed so that they draw the same problems)")
     return triples
 
 # %% ../nbs/05_projection_arms.ipynb #f1449d74
