@@ -10,12 +10,12 @@ import datetime as dt, difflib, fcntl, json, math, os, re, shutil, socket, subpr
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from .utils import atomic_path, json_default, write_json
+from .utils import atomic_path, check_range, json_default, write_json
 
 # %% auto #0
-__all__ = ['TEMPLATES', 'RUN_STATES', 'PARTIAL', 'repo_root', 'template_path', 'git_sha', 'check_parameters', 'read_metrics',
-           'read_state', 'dir_lock', 'lock_holder', 'run_status', 'log_run', 'cell_phases', 'RunProgress',
-           'recover_run', 'run_notebook', 'run_summary']
+__all__ = ['TEMPLATES', 'MINIMA', 'POSITIVE', 'RUN_STATES', 'PARTIAL', 'repo_root', 'template_path', 'git_sha',
+           'check_parameters', 'resolve_paths', 'read_metrics', 'read_state', 'dir_lock', 'lock_holder', 'run_status',
+           'log_run', 'cell_phases', 'RunProgress', 'recover_run', 'run_notebook', 'run_summary']
 
 # %% ../nbs/07a_reports.ipynb #135d2093
 TEMPLATES = {"phase1": "nbs/experiments/phase1_probe.ipynb", "phase2": "nbs/experiments/phase2_probe.ipynb",
@@ -47,9 +47,13 @@ def git_sha(root:Path|None=None) -> str:
 
 # %% ../nbs/07a_reports.ipynb #0d049091
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list": (list, tuple), "dict": (dict,)}
+MINIMA = dict(steps=1, seed=0, G=1, pool_steps=1, pool_batch=1, fit_steps=1, max_new_tokens=1, teacher_train_steps=1,
+              k=1, max_pairs=1, E_total_sequences=1, B_U=1, lora_r=1, max_value=1, n_controls=2)  # least int values
+POSITIVE = ("temperature", "top_p", "lr", "teacher_lr")                                      # > 0 (top_p <= 1)
 
 def check_parameters(template, parameters:dict) -> dict:
-    "Raise ValueError for names the template does not declare or values of another type; return the declared dict."
+    "ValueError for a name the template does not declare, a value of another type or out of range, one pool without"
+    " the other or a pool directory that is not there; else the declared dict."
     import papermill
     declared = papermill.inspect_notebook(str(template_path(template)))
     for name, value in parameters.items():
@@ -62,7 +66,24 @@ def check_parameters(template, parameters:dict) -> dict:
         if ok and (not isinstance(value, ok) or (want in ("int", "float") and isinstance(value, bool))):
             raise ValueError(f"parameter {name}={value!r}: expected {want} (default {declared[name]['default']}), "
                              f"got {type(value).__name__}")
+        if name in MINIMA: check_range(name, value, MINIMA[name], integer=True)
+        if name in POSITIVE: check_range(name, value, 0, 1 if name == "top_p" else None, lo_open=True)
+    pools = [n for n in ("teacher_pool", "base_pool") if parameters.get(n)]
+    if len(pools) == 1:
+        other = "base_pool" if pools[0] == "teacher_pool" else "teacher_pool"
+        raise ValueError(f"{pools[0]}={parameters[pools[0]]!r} without {other}: expected both pool directories or "
+                         "neither (then both are built)")
+    for n in pools:
+        p = Path(parameters[n])
+        if not p.is_dir(): raise ValueError(f"{n}={parameters[n]!r}: expected a pool directory (none at {p.resolve()})")
     return declared
+
+def resolve_paths(parameters:dict) -> dict:
+    "Relative paths among `parameters` (`*_pool`, `*_dir`, a `model` that is a path) made absolute against this"
+    " process's working directory: the kernel's is the checkout."
+    model = lambda k, v: k == "model" and v not in ("tiny", "default") and Path(v).exists()
+    path = lambda k, v: isinstance(v, str) and v and (k.endswith(("_pool", "_dir")) or model(k, v))
+    return {k: str(Path(v).expanduser().resolve()) if path(k, v) else v for k, v in parameters.items()}
 
 # %% ../nbs/07a_reports.ipynb #03edd6dd
 RUN_STATES = ("started", "running", "ok", "failed", "interrupted")   # started -> running -> ok | failed | interrupted
@@ -85,11 +106,11 @@ def _set_state(run_dir:Path, state:str, **kw) -> dict:
     return s
 
 @contextmanager
-def dir_lock(d, what:str="directory"):
-    "Hold d/.lock (flock: freed when the holder dies, even by SIGKILL); a RuntimeError naming the holder if it is held."
+def dir_lock(d, what:str="directory", wait:bool=False):
+    "Hold d/.lock (flock: freed when its holder dies, even by SIGKILL); if it is held, wait or name the holder."
     d = Path(d); d.mkdir(parents=True, exist_ok=True)
     f = open(d/".lock", "a+")
-    try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try: fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
         f.close()
         raise RuntimeError(f"{what} {d} is in use by {lock_holder(d) or 'another process'}: wait for it to end, or "
@@ -302,7 +323,7 @@ def run_notebook(
 )->dict:                         # {status, run_dir, report, error?}
     "Execute a template with papermill into run_dir/report.ipynb; record success, the exception or the interrupt."
     import papermill
-    parameters = dict(parameters or {})
+    parameters = resolve_paths(parameters or {})
     run_dir = Path(run_dir).resolve()
     declared = check_parameters(template, parameters)
     if "out_dir" in declared: parameters["out_dir"] = str(run_dir)
