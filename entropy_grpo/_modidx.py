@@ -642,6 +642,7 @@ d = { 'settings': { 'branch': 'main',
                                     'entropy_grpo.utils.json_default': ('utils.html#json_default', 'entropy_grpo/utils.py'),
                                     'entropy_grpo.utils.markdown_table': ('utils.html#markdown_table', 'entropy_grpo/utils.py'),
                                     'entropy_grpo.utils.row_cosines': ('utils.html#row_cosines', 'entropy_grpo/utils.py'),
+                                    'entropy_grpo.utils.save_figure': ('utils.html#save_figure', 'entropy_grpo/utils.py'),
                                     'entropy_grpo.utils.tqdm_disable': ('utils.html#tqdm_disable', 'entropy_grpo/utils.py'),
                                     'entropy_grpo.utils.welch': ('utils.html#welch', 'entropy_grpo/utils.py'),
                                     'entropy_grpo.utils.write_json': ('utils.html#write_json', 'entropy_grpo/utils.py')}}}

@@ -14,7 +14,7 @@ import numpy as np
 from .reports import (TEMPLATES, git_sha, log_run, template_path,  # noqa: F401  (this module's names too)
                                   _rel, _stderr_to, check_parameters, dir_lock, lock_holder, read_metrics,
                                   recover_run, repo_root, resolve_paths, run_notebook, run_status, run_summary)
-from .utils import atomic_path, check_range, write_json
+from .utils import atomic_path, check_range, save_figure, write_json
 
 # %% auto #0
 __all__ = ['DEMO_PARAMETERS', 'DEMO_PHASE_SECONDS', 'hack_rate_separation', 'check_sweep_spec', 'make_executor', 'run_sweep',
@@ -201,9 +201,7 @@ def _plot_summary(runs, path):
         ax.plot(r["curve"], color=c, alpha=0.7,
                 label=r["arm"] if r["arm"] not in ax.get_legend_handles_labels()[1] else None)
     ax.set(xlabel="step", ylabel="hack rate", title="hack rate per run (colour = arm)")
-    ax.legend(fontsize=7); fig.tight_layout()
-    with atomic_path(path) as tmp: fig.savefig(tmp, dpi=100, format="png")
-    plt.close(fig)
+    ax.legend(fontsize=7); fig.tight_layout(); save_figure(fig, path); plt.close(fig)
 
 # %% ../nbs/07_experiments.ipynb #3950c9d2
 DEMO_PARAMETERS = dict(model="default", max_value=9, ops="+", teacher_hint="leaky", teacher_train_steps=10,

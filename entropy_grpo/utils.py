@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['check_range', 'check_choice', 'atomic_path', 'json_default', 'clean_json', 'write_json', 'welch', 'row_cosines',
-           'markdown_table', 'tqdm_disable']
+__all__ = ['check_range', 'check_choice', 'atomic_path', 'json_default', 'clean_json', 'write_json', 'save_figure', 'welch',
+           'row_cosines', 'markdown_table', 'tqdm_disable']
 
 # %% ../nbs/00c_utils.ipynb #ebe88024
 def check_range(
@@ -95,6 +95,11 @@ def clean_json(v):
 def write_json(path:str|os.PathLike, obj) -> Path:
     "Write `obj` as indented JSON, atomically."
     with atomic_path(path) as tmp: tmp.write_text(json.dumps(obj, indent=1, default=json_default))
+    return Path(path)
+
+def save_figure(fig, path:str|os.PathLike, dpi:int=100) -> Path:
+    "A matplotlib figure saved as PNG, atomically."
+    with atomic_path(path) as tmp: fig.savefig(tmp, dpi=dpi, format="png")
     return Path(path)
 
 # %% ../nbs/00c_utils.ipynb #46020ea9
