@@ -6,7 +6,7 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/experiments.html.md"""
 
 # %% ../nbs/07_experiments.ipynb #f8f129bd
 from __future__ import annotations
-import argparse, ast, datetime as dt, json, math, shutil, sys, time
+import argparse, ast, datetime as dt, json, math, shutil, signal, sys, time
 from pathlib import Path
 
 import numpy as np
@@ -140,10 +140,12 @@ def _ceiling_passed(exp_dir:Path, first:list, wave:list, result:dict) -> bool:
     return False
 
 def _run_jobs(ex, calls:list, result:dict) -> bool:
-    "Submit `run_notebook(*call)` jobs together and wait for them. Ctrl-C: each job left is given time to record its"
-    " interrupt (a terminal's Ctrl-C reaches it too), else told to stop, and waited for; False then."
-    with _stderr_to(Path(ex.folder)/"controllers.log"):           # a job's controller: its messages, Ctrl-C's too
-        jobs, got = [ex.submit(run_notebook, *c) for c in calls], []
+    "Submit `run_notebook(*call)` jobs together and wait for them. Ctrl-C: each job records its interrupt (a"
+    " terminal's Ctrl-C reaches it; else it is sent SIGTERM after 20 s) and is waited for; False then."
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)   # inherited by submitit's controllers: Ctrl-C must not make
+    try:                                                 # one kill its job while the job records the interrupt
+        with _stderr_to(Path(ex.folder)/"controllers.log"): jobs, got = [ex.submit(_job, *c) for c in calls], []
+    finally: signal.signal(signal.SIGINT, old)
     try:
         for c, job in zip(calls, jobs): got.append(_outcome(c, job))
         return True
@@ -152,11 +154,18 @@ def _run_jobs(ex, calls:list, result:dict) -> bool:
         for c, job in list(zip(calls, jobs))[len(got):]:
             deadline = time.time() + 20
             while not job.done() and time.time() < deadline: time.sleep(0.2)
-            if not job.done(): job.cancel()
+            if not job.done():   # a local job's controller forwards SIGTERM to it; Slurm's scancel sends one
+                if getattr(job, "_process", None) is not None: job._process.send_signal(signal.SIGTERM)
+                else: job.cancel()
             got.append(_outcome(c, job))
         result["interrupted"] = True
         return False
     finally: result["ran"] += got
+
+def _job(*call) -> dict:
+    "A sweep's job: `run_notebook(*call)`, Ctrl-C (SIGINT) and SIGTERM raising the KeyboardInterrupt it records."
+    for sig in (signal.SIGINT, signal.SIGTERM): signal.signal(sig, signal.default_int_handler)
+    return run_notebook(*call)
 
 def _outcome(call, job) -> dict:
     try: out = job.result()
