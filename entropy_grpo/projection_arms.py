@@ -17,7 +17,7 @@ from torch import Tensor
 from .adapters import Adapter, check_signature
 from .dr_grpo import LENGTH_NORMS, check_length_norm, dr_grpo_loss
 from .sequence_processor import BatchedSequences, SequenceProcessor, pack_sequences
-from .utils import check_choice
+from .utils import atomic_path, check_choice
 
 # %% auto #0
 __all__ = ['V_HACK_LOSSES', 'V_HACK_SOURCES', 'GATES', 'COS_KEYS', 'NULL_KEYS', 'ARMS', 'ARM_ADAPTER', 'pair_sequences',
@@ -80,11 +80,13 @@ def pool_pairs(
         if max_pairs is not None and len(triples) == max_pairs: break
     if not triples:
         n_hack = sum(r["hacked"] for r in teacher.records())
+        if n_hack == 0:
+            raise ValueError(f"no (hack, clean) pair: teacher pool {teacher.name!r} has no hacked sample (its teacher "
+                             "never hacked: a policy too small to learn it, e.g. the tiny test policy; give pools that "
+                             "hold hacks, or a larger model)")
         raise ValueError(f"no (hack, clean) pair: teacher pool {teacher.name!r} has {n_hack} hacked samples and base "
-                         "pool "
-                         f"{base.name!r} has clean samples of {len(clean)} problems, none shared (build both pools "
-                         "with "
-                         "the same seed so that they draw the same problems)")
+                         f"pool {base.name!r} clean samples of {len(clean)} problems, none shared (build both pools "
+                         "with the same seed so that they draw the same problems)")
     return triples
 
 # %% ../nbs/05_projection_arms.ipynb #f1449d74
@@ -188,7 +190,7 @@ class VHack:
         t = {f"V.{n}": v.cpu().contiguous() for n, v in self.V.items()}
         for tag, d in (("S", self.S), ("vote", self.vote)):
             if d is not None: t.update({f"{tag}.{n}": v.cpu().contiguous() for n, v in d.items()})
-        save_file(t, str(path), metadata={"entropy_grpo_v_hack": json.dumps(self.meta)})
+        with atomic_path(path) as tmp: save_file(t, str(tmp), metadata={"entropy_grpo_v_hack": json.dumps(self.meta)})
 
     @classmethod
     def load(cls, path:str|Path, adapter:Adapter|None=None, device=None) -> "VHack":

@@ -6,15 +6,16 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/reports.html.md"""
 
 # %% ../nbs/07a_reports.ipynb #5848f838
 from __future__ import annotations
-import datetime as dt, difflib, fcntl, json, math, os, re, subprocess, sys, time, traceback
+import datetime as dt, difflib, fcntl, json, math, os, re, shutil, socket, subprocess, sys, time, traceback
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from .utils import write_json
+from .utils import atomic_path, check_range, json_default, write_json
 
 # %% auto #0
-__all__ = ['TEMPLATES', 'repo_root', 'template_path', 'git_sha', 'check_parameters', 'read_metrics', 'run_status', 'log_run',
-           'cell_phases', 'RunProgress', 'run_notebook', 'run_summary']
+__all__ = ['TEMPLATES', 'MINIMA', 'POSITIVE', 'RUN_STATES', 'PARTIAL', 'repo_root', 'template_path', 'git_sha',
+           'check_parameters', 'resolve_paths', 'read_metrics', 'read_state', 'dir_lock', 'lock_holder', 'run_status',
+           'log_run', 'cell_phases', 'RunProgress', 'recover_run', 'run_notebook', 'run_summary']
 
 # %% ../nbs/07a_reports.ipynb #135d2093
 TEMPLATES = {"phase1": "nbs/experiments/phase1_probe.ipynb", "phase2": "nbs/experiments/phase2_probe.ipynb",
@@ -46,9 +47,13 @@ def git_sha(root:Path|None=None) -> str:
 
 # %% ../nbs/07a_reports.ipynb #0d049091
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list": (list, tuple), "dict": (dict,)}
+MINIMA = dict(steps=1, seed=0, G=1, pool_steps=1, pool_batch=1, fit_steps=1, max_new_tokens=1, teacher_train_steps=1,
+              k=1, max_pairs=1, E_total_sequences=1, B_U=1, lora_r=1, max_value=1, n_controls=2)  # least int values
+POSITIVE = ("temperature", "top_p", "lr", "teacher_lr")                                      # > 0 (top_p <= 1)
 
 def check_parameters(template, parameters:dict) -> dict:
-    "Raise ValueError for names the template does not declare or values of another type; return the declared dict."
+    "ValueError for a name the template does not declare, a value of another type or out of range, one pool without"
+    " the other or a pool directory that is not there; else the declared dict."
     import papermill
     declared = papermill.inspect_notebook(str(template_path(template)))
     for name, value in parameters.items():
@@ -61,28 +66,91 @@ def check_parameters(template, parameters:dict) -> dict:
         if ok and (not isinstance(value, ok) or (want in ("int", "float") and isinstance(value, bool))):
             raise ValueError(f"parameter {name}={value!r}: expected {want} (default {declared[name]['default']}), "
                              f"got {type(value).__name__}")
+        if name in MINIMA: check_range(name, value, MINIMA[name], integer=True)
+        if name in POSITIVE: check_range(name, value, 0, 1 if name == "top_p" else None, lo_open=True)
+    pools = [n for n in ("teacher_pool", "base_pool") if parameters.get(n)]
+    if len(pools) == 1:
+        other = "base_pool" if pools[0] == "teacher_pool" else "teacher_pool"
+        raise ValueError(f"{pools[0]}={parameters[pools[0]]!r} without {other}: expected both pool directories or "
+                         "neither (then both are built)")
+    for n in pools:
+        p = Path(parameters[n])
+        if not p.is_dir(): raise ValueError(f"{n}={parameters[n]!r}: expected a pool directory (none at {p.resolve()})")
     return declared
 
+def resolve_paths(parameters:dict) -> dict:
+    "Relative paths among `parameters` (`*_pool`, `*_dir`, a `model` that is a path) made absolute against this"
+    " process's working directory: the kernel's is the checkout."
+    model = lambda k, v: k == "model" and v not in ("tiny", "default") and Path(v).exists()
+    path = lambda k, v: isinstance(v, str) and v and (k.endswith(("_pool", "_dir")) or model(k, v))
+    return {k: str(Path(v).expanduser().resolve()) if path(k, v) else v for k, v in parameters.items()}
+
 # %% ../nbs/07a_reports.ipynb #03edd6dd
+RUN_STATES = ("started", "running", "ok", "failed", "interrupted")   # started -> running -> ok | failed | interrupted
+
 def read_metrics(run_dir) -> dict|None:
     p = Path(run_dir)/"metrics.json"
     try: return json.loads(p.read_text())
     except (OSError, json.JSONDecodeError): return None
 
-def run_status(run_dir) -> str:
-    "'done' (metrics.json status ok), 'failed', 'partial' (started, no verdict) or 'missing'."
-    m = read_metrics(run_dir)
-    if m is not None: return "done" if m.get("status") == "ok" else "failed"
-    return "partial" if Path(run_dir).exists() else "missing"
+def read_state(run_dir) -> dict|None:
+    "The run's run.json: state, template, parameters, who runs it (pid, host) and since when; None before a first run."
+    try: return json.loads((Path(run_dir)/"run.json").read_text())
+    except (OSError, json.JSONDecodeError): return None
 
-def log_run(log_path, exp:str, run:str, status:str, report, note:str=""):
-    "Append one dated line to runs/LOG.md (locked: parallel jobs append safely)."
+def _set_state(run_dir:Path, state:str, **kw) -> dict:
+    "run.json moved to `state` (atomic), with the time and `kw`."
+    now = dt.datetime.now().isoformat(timespec="seconds")
+    s = {**(read_state(run_dir) or {}), **kw, "state": state, "updated": now}
+    write_json(run_dir/"run.json", s)
+    return s
+
+@contextmanager
+def dir_lock(d, what:str="directory", wait:bool=False):
+    "Hold d/.lock (flock: freed when its holder dies, even by SIGKILL); if it is held, wait or name the holder."
+    d = Path(d); d.mkdir(parents=True, exist_ok=True)
+    f = open(d/".lock", "a+")
+    try: fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        f.close()
+        raise RuntimeError(f"{what} {d} is in use by {lock_holder(d) or 'another process'}: wait for it to end, or "
+                           "stop it") from None
+    f.truncate(0); f.write(f"pid {os.getpid()} on {socket.gethostname()}"); f.flush()
+    try: yield
+    finally: f.close()
+
+def lock_holder(d) -> str|None:
+    "'pid N on HOST' of the process holding d's lock, None when nobody does."
+    p = Path(d)/".lock"
+    if not p.exists(): return None
+    with open(p, "a+") as f:
+        try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError: return p.read_text().strip() or "another process"
+    return None
+
+# %% ../nbs/07a_reports.ipynb #3ac2c9c2
+def run_status(run_dir) -> str:
+    "'done', 'failed', 'interrupted', 'running' (its lock is held), 'stale' (started, its process gone) or 'missing'."
+    d, s = Path(run_dir), read_state(run_dir)
+    if s is None:                                  # no run.json: a run recorded before it (metrics.json alone)
+        m = read_metrics(d)
+        if m is not None: return "done" if m.get("status") == "ok" and not _report_problem(d) else "failed"
+        return "stale" if d.exists() else "missing"
+    if s["state"] == "ok": return "done"
+    if s["state"] in ("failed", "interrupted"): return s["state"]
+    return "running" if lock_holder(d) else "stale"
+
+def log_run(log_path, exp:str, run:str, status:str, report, note:str="", since:str|None=None):
+    "Append one dated line to the LOG (locked: parallel jobs append safely); none if one for this run and status is"
+    " dated `since` or later (an ISO time: a record finished on restart is not logged twice)."
     log_path = Path(log_path); log_path.parent.mkdir(parents=True, exist_ok=True)
-    line = f"- {dt.datetime.now().strftime('%Y-%m-%d %H:%M')} | {exp} | {run} | {status} | {report}"
-    line += (f" | {note}" if note else "") + "\n"
-    with open(log_path, "a") as f:
+    now = dt.datetime.now().strftime('%Y-%m-%d %H:%M')
+    line = f"- {now} | {exp} | {run} | {status} | {report}" + (f" | {note}" if note else "") + "\n"
+    with open(log_path, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(line)
+        f.seek(0)
+        key, cut = f" | {exp} | {run} | {status} | ", (since or "9999")[:16].replace("T", " ")
+        if not any(l[2:18] >= cut and key in l for l in f.read().splitlines()): f.write(line)
         fcntl.flock(f, fcntl.LOCK_UN)
 
 # %% ../nbs/07a_reports.ipynb #9f2356c4
@@ -130,16 +198,16 @@ class RunProgress:
 from papermill.engines import NBClientEngine, papermill_engines
 
 class _ProgressEngine(NBClientEngine):
-    "papermill's nbclient engine, with a `RunProgress` told of every cell papermill starts."
+    "papermill's nbclient engine, with `on_cell(index)` called and a `RunProgress` told as papermill starts each cell."
     @classmethod
-    def execute_managed_notebook(cls, nb_man, kernel_name, progress:RunProgress|None=None, **kwargs):
-        if progress is not None:
-            progress.start(nb_man.nb)
-            start = nb_man.cell_start
-            def cell_start(cell, cell_index=None, **kw):
-                progress.cell_start(cell_index)
-                return start(cell, cell_index, **kw)
-            nb_man.cell_start = cell_start
+    def execute_managed_notebook(cls, nb_man, kernel_name, progress:RunProgress|None=None, on_cell=None, **kwargs):
+        if progress is not None: progress.start(nb_man.nb)
+        start = nb_man.cell_start
+        def cell_start(cell, cell_index=None, **kw):
+            if on_cell is not None: on_cell(cell_index)
+            if progress is not None: progress.cell_start(cell_index)
+            return start(cell, cell_index, **kw)
+        nb_man.cell_start = cell_start
         return super().execute_managed_notebook(nb_man, kernel_name, **kwargs)
 
 papermill_engines.register("entropy_grpo", _ProgressEngine)
@@ -155,6 +223,8 @@ def _stderr_to(path):
         sys.stderr.flush(); os.dup2(saved, 2); os.close(saved)
 
 # %% ../nbs/07a_reports.ipynb #9b51ba0b
+PARTIAL = "report.partial.ipynb"   # papermill writes here; report.ipynb appears whole when the run ends
+
 def _expected_phases(run_dir:Path, fallback:dict|None=None) -> dict:
     "Phase times of the newest finished sibling run (its phases.json), else `fallback`: the estimate of what is left."
     done = sorted(run_dir.parent.glob("*/phases.json"), key=lambda p: p.stat().st_mtime)
@@ -170,15 +240,74 @@ def _writable_run_dir(run_dir:Path) -> Path:
                               "another place (entropy-grpo demo/probe --out DIR)") from None
     return run_dir
 
-def _stopped_note(report:Path, phase:str|None):
-    "A last markdown cell in an interrupted report: where it stopped."
+def _report_problem(run_dir:Path, report:Path|None=None) -> str|None:
+    "Why a run's work is incomplete, or None: a valid report whose every code cell papermill completed without an"
+    " error, metrics.json with status 'ok', and its figures on disk."
     import nbformat
-    if not report.exists(): return
-    nb = nbformat.read(report, as_version=4)
-    when, where = f"{dt.datetime.now():%Y-%m-%d %H:%M}", phase or "parameters and imports"
-    nb.cells.append(nbformat.v4.new_markdown_cell(f"**Interrupted** (Ctrl-C) at {when} during the phase *{where}*; "
-                                                  "cells below it did not run. Run the command again to start over."))
-    nbformat.write(nb, report)
+    report = report or run_dir/"report.ipynb"
+    try: nb = nbformat.read(report, as_version=4); nbformat.validate(nb)
+    except Exception as e: return f"{report.name} is not a complete notebook ({type(e).__name__})"
+    done = lambda c: c.metadata.get("papermill", {}).get("status") == "completed" and \
+        not any(o.get("output_type") == "error" for o in c.get("outputs", []))
+    bad = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and not done(c)]
+    if bad: return f"{report.name}: cell {bad[0]} did not complete"
+    m = read_metrics(run_dir)
+    if m is None or m.get("status") != "ok": return "the notebook ended without metrics.json status 'ok'"
+    missing = [f for f in m.get("figures", []) if not (run_dir/f).is_file()]
+    return f"figures listed in metrics.json are missing: {missing}" if missing else None
+
+def _save_report(run_dir:Path, note:str|None=None):
+    "papermill's partial report as report.ipynb (atomic), `note` a last markdown cell; nothing if it is unreadable."
+    import nbformat
+    part = run_dir/PARTIAL
+    try: nb = nbformat.read(part, as_version=4)
+    except Exception: return
+    if note: nb.cells.append(nbformat.v4.new_markdown_cell(note))
+    with atomic_path(run_dir/"report.ipynb") as tmp: nbformat.write(nb, str(tmp))
+    part.unlink()
+
+# %% ../nbs/07a_reports.ipynb #2402e212
+def _same_run(state:dict|None, template, parameters:dict) -> bool:
+    return state is not None and state.get("template") == str(template) and \
+        state.get("parameters") == json.loads(json.dumps(parameters, default=json_default))
+
+def _prepare_run_dir(run_dir:Path, template, parameters:dict) -> str:
+    "'resume': a stopped run of this template and these parameters, its files kept (checkpoints, pools); else 'fresh':"
+    " a directory that held another run (or a finished one) emptied. Either way no verdict is left."
+    s = read_state(run_dir)
+    mode = "resume" if _same_run(s, template, parameters) and s["state"] != "ok" else "fresh"
+    if mode == "fresh" and s is not None:
+        for p in run_dir.iterdir():
+            if p.name == ".lock": continue
+            if p.is_dir() and not p.is_symlink(): shutil.rmtree(p)
+            else: p.unlink()
+    for name in ("metrics.json", "report.ipynb", PARTIAL): (run_dir/name).unlink(missing_ok=True)
+    write_json(run_dir/"run.json", dict(state="started", template=str(template), parameters=parameters, mode=mode,
+                                        pid=os.getpid(), host=socket.gethostname(),
+                                        started=dt.datetime.now().isoformat(timespec="seconds")))
+    return mode
+
+def _finish(run_dir:Path, exp:str, log_path:Path, restart:bool=False) -> dict:
+    "A run whose notebook ended: report checked and in place, the LOG line (once), then state ok (else RuntimeError)."
+    if problem := _report_problem(run_dir, run_dir/PARTIAL if (run_dir/PARTIAL).exists() else None):
+        raise RuntimeError(problem)
+    _save_report(run_dir)
+    report, s = run_dir/"report.ipynb", read_state(run_dir) or {}
+    log_run(log_path, exp, run_dir.name, "ok", _rel(report), read_metrics(run_dir).get("summary", ""),
+            since=s.get("started") if restart else None)
+    _set_state(run_dir, "ok")
+    return dict(status="ok", run_dir=str(run_dir), report=str(report))
+
+def recover_run(run_dir, exp:str|None=None, log_path=None) -> str:
+    "A stale run (started, its process gone) whose work is complete gets its record; the run's status after."
+    run_dir = Path(run_dir).resolve()
+    if run_status(run_dir) == "stale" and read_state(run_dir) is not None:
+        with dir_lock(run_dir, "run directory"):
+            try: _finish(run_dir, exp or run_dir.parent.name, Path(log_path) if log_path else _default_log(), True)
+            except RuntimeError: pass
+    return run_status(run_dir)
+
+def _default_log() -> Path: return repo_root()/"runs"/"LOG.md"
 
 # %% ../nbs/07a_reports.ipynb #1e5beffe
 def run_notebook(
@@ -194,53 +323,59 @@ def run_notebook(
 )->dict:                         # {status, run_dir, report, error?}
     "Execute a template with papermill into run_dir/report.ipynb; record success, the exception or the interrupt."
     import papermill
-    parameters = dict(parameters or {})
+    parameters = resolve_paths(parameters or {})
     run_dir = Path(run_dir).resolve()
     declared = check_parameters(template, parameters)
     if "out_dir" in declared: parameters["out_dir"] = str(run_dir)
     exp = exp or run_dir.parent.name
-    log_path = Path(log_path) if log_path else repo_root()/"runs"/"LOG.md"
+    log_path = Path(log_path) if log_path else _default_log()
     _writable_run_dir(run_dir)
-    (run_dir/"metrics.json").unlink(missing_ok=True)          # a re-run starts without a verdict
-    report = run_dir/"report.ipynb"
-    bar = RunProgress(expected=_expected_phases(run_dir, expected)) if progress else None
-    env = {"TQDM_DISABLE": "1", "MPLBACKEND": "Agg"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with _stderr_to(run_dir/"kernel.log") if progress else nullcontext():
-            papermill.execute_notebook(str(template_path(template)), str(report), parameters=parameters,
-                                       kernel_name=kernel_name, engine_name="entropy_grpo", progress=bar,
-                                       cwd=str(repo_root()), progress_bar=False)
-        if bar: bar.close(); write_json(run_dir/"phases.json", bar.seconds)
-        m = read_metrics(run_dir)
-        if m is None or m.get("status") != "ok":
-            raise RuntimeError("the notebook finished without writing metrics.json with status 'ok'")
-        log_run(log_path, exp, run_dir.name, "ok", _rel(report), m.get("summary", ""))
-        return dict(status="ok", run_dir=str(run_dir), report=str(report))
-    except (Exception, KeyboardInterrupt) as e:
-        return _record_failure(e, run_dir, report, parameters, bar, log_path, exp, raise_on_error)
-    finally:
-        for k, v in old.items():
-            if v is None: os.environ.pop(k, None)
-            else: os.environ[k] = v
+    with dir_lock(run_dir, "run directory"):
+        s = read_state(run_dir)
+        if s is not None and s["state"] in ("started", "running") and _same_run(s, template, parameters):
+            try: return _finish(run_dir, exp, log_path, True)   # killed after its work: only its record was missing
+            except RuntimeError: pass
+        _prepare_run_dir(run_dir, template, parameters)
+        bar = RunProgress(expected=_expected_phases(run_dir, expected)) if progress else None
+        running = lambda i: i == 0 and _set_state(run_dir, "running")
+        env = {"TQDM_DISABLE": "1", "MPLBACKEND": "Agg"}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            with _stderr_to(run_dir/"kernel.log") if progress else nullcontext():
+                papermill.execute_notebook(str(template_path(template)), str(run_dir/PARTIAL), parameters=parameters,
+                                           kernel_name=kernel_name, engine_name="entropy_grpo", progress=bar,
+                                           on_cell=running, cwd=str(repo_root()), progress_bar=False)
+            if bar: bar.close(); write_json(run_dir/"phases.json", bar.seconds)
+            return _finish(run_dir, exp, log_path)
+        except (Exception, KeyboardInterrupt) as e:
+            return _record_failure(e, run_dir, parameters, bar, log_path, exp, raise_on_error)
+        finally:
+            for k, v in old.items():
+                if v is None: os.environ.pop(k, None)
+                else: os.environ[k] = v
 
 # %% ../nbs/07a_reports.ipynb #44285e96
-def _record_failure(e, run_dir, report, parameters, bar, log_path, exp, raise_on_error) -> dict:
-    "metrics.json and a LOG line for a run that failed or was interrupted (its report says where it stopped)."
+def _record_failure(e, run_dir, parameters, bar, log_path, exp, raise_on_error) -> dict:
+    "The report (with where it stopped), metrics.json, a LOG line, then the state: failed or interrupted."
     interrupted = isinstance(e, KeyboardInterrupt) or getattr(e, "ename", "") == "KeyboardInterrupt"
     phase = bar.current if bar else None
     if bar: bar.close()
     status = "interrupted" if interrupted else "failed"
+    where = phase or "parameters and imports"
     if interrupted:
-        err = f"interrupted (Ctrl-C) during the phase '{phase or 'parameters and imports'}'"
-        _stopped_note(report, phase)
+        err = f"interrupted (Ctrl-C) during the phase '{where}'"
+        _save_report(run_dir, f"**Interrupted** (Ctrl-C) at {dt.datetime.now():%Y-%m-%d %H:%M} during the phase "
+                              f"*{where}*; cells below it did not run. Run the command again to continue.")
     else:
         err = f"{type(e).__name__}: {e}".strip()
         if hasattr(e, "ename"): err = f"{e.ename}: {e.evalue}\n{err}"   # papermill: the notebook's own exception first
+        _save_report(run_dir)
     write_json(run_dir/"metrics.json", dict(status=status, error=err[:4000], phase=phase, parameters=parameters,
                                             git_sha=git_sha(), traceback=traceback.format_exc()[-8000:]))
+    report = run_dir/"report.ipynb"
     log_run(log_path, exp, run_dir.name, status, _rel(report), err.splitlines()[0][:200] if err else "")
+    _set_state(run_dir, status, error=err.splitlines()[0][:200] if err else "", phase=phase)
     if raise_on_error: raise e
     return dict(status=status, run_dir=str(run_dir), report=str(report), error=err)
 

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from .dist import all_reduce_sum, rank, shard_slice, world_size
 from .dr_grpo import SCALE_REWARDS, _eps_pair, check_length_norm, group_advantages, policy_gradient_backward
 from .sequence_processor import BatchedSequences, GenerationConfig, LogprobResults, SequenceProcessor
-from .utils import atomic_path, check_choice, check_range, json_default, tqdm_disable
+from .utils import atomic_path, check_choice, check_range, json_default, tqdm_disable, write_json
 
 # %% auto #0
 __all__ = ['SCHEDULERS', 'CHECKPOINT_ABOVE', 'FLAGS', 'TrainConfig', 'step_problems', 'Rollout', 'GenerationSource', 'apply_lora',
@@ -274,11 +274,13 @@ def _setup(model, tokenizer, cfg:TrainConfig, resume_from, out:Path|None, refere
         ref_sp = SequenceProcessor(copy.deepcopy(model).requires_grad_(False).eval(), tokenizer, cfg.generation,
                                    progress=False)
     run = _Run(model, params, opt, sched, sp, ref_sp, 0, None, reference)
+    latest = isinstance(resume_from, str) and resume_from == "latest"
+    if latest: resume_from = latest_checkpoint(out)
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, opt, sched)
         _check_resume(state, cfg, resume_from)
         run.start, run.last_ckpt = state["step"], Path(resume_from)
-    if out is not None and rank() == 0: _prepare_out_dir(out, cfg, run.start)
+    if out is not None and rank() == 0: _prepare_out_dir(out, cfg, run.start, fresh_ok=latest)
     return run
 
 # %% ../nbs/03a_training.ipynb #f044f4d0
@@ -289,24 +291,29 @@ def _check_resume(state:dict, cfg:TrainConfig, path):
     if diff:
         raise ValueError(f"{path} was written with another config: "
                          f"{', '.join(f'{k}={old.get(k)!r} (now {new.get(k)!r})' for k in diff)}")
-    if state["step"] >= cfg.steps:
-        raise ValueError(f"{path} has {state['step']} steps done: steps={cfg.steps} leaves nothing to run")
+    if state["step"] > cfg.steps:
+        raise ValueError(f"{path} has {state['step']} steps done: steps={cfg.steps} would cut that run short")
     if state["world_size"] != world_size():
         warnings.warn(f"{path} was written with {state['world_size']} processes, now {world_size()}: prompts are "
                       "sharded "
                       "differently, so the continuation differs from the original run")
 
-def _prepare_out_dir(out:Path, cfg:TrainConfig, start:int):
-    "config.json, and log.jsonl truncated to the steps before `start` (a fresh run refuses an existing log)."
+def _prepare_out_dir(out:Path, cfg:TrainConfig, start:int, fresh_ok:bool=False):
+    "config.json, and log.jsonl cut to the steps before `start`, atomically (fresh: refuses a log unless fresh_ok)."
     out.mkdir(parents=True, exist_ok=True)
     logf = out/"log.jsonl"
-    if start == 0 and logf.exists() and logf.stat().st_size:
-        raise ValueError(f"{logf} exists: pass resume_from=latest_checkpoint({str(out)!r}) to continue that run, or a "
-                         "new out_dir")
-    lines = logf.read_text().splitlines() if logf.exists() else []
-    kept = [l for l in lines if l.strip() and json.loads(l)["step"] < start]
-    logf.write_text("".join(l + "\n" for l in kept))
-    (out/"config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    if start == 0 and not fresh_ok and logf.exists() and logf.stat().st_size:
+        raise ValueError(f"{logf} exists: pass resume_from='latest' to continue that run, or a new out_dir")
+    _write_log(logf, [r for r in _read_log(logf) if r["step"] < start])
+    write_json(out/"config.json", cfg.to_dict())
+
+def _read_log(logf:Path) -> list[dict]:
+    return [json.loads(l) for l in logf.read_text().splitlines() if l.strip()] if logf.exists() else []
+
+def _write_log(logf:Path, records:list[dict]):
+    "The whole log, one line per step, replaced atomically."
+    with atomic_path(logf) as tmp:
+        tmp.write_text("".join(json.dumps(r, default=json_default) + "\n" for r in records))
 
 # %% ../nbs/03a_training.ipynb #00ca4efd
 def _score(run:_Run, seqs:BatchedSequences, cfg:TrainConfig) -> tuple[LogprobResults, Tensor|None]:
@@ -372,15 +379,16 @@ def _optimizer_steps(run:_Run, ctx:StepContext, res:LogprobResults, ref_logp, cf
 
 # %% ../nbs/03a_training.ipynb #bf57e7a3
 def _end_step(run:_Run, rec:dict, cfg:TrainConfig, out:Path|None):
-    "Checkpoint when due (rank 0 writes, every rank waits), then one JSONL line."
+    "The step's log line (the whole log rewritten atomically), then its checkpoint when due (rank 0 writes)."
     done = rec["step"] + 1
+    if out is not None and rank() == 0:
+        logf = out/"log.jsonl"
+        _write_log(logf, [r for r in _read_log(logf) if r["step"] < rec["step"]] + [rec])
     if out is not None and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
         path = out/"checkpoints"/f"step_{done:06d}"
         if rank() == 0: save_checkpoint(path, run.model, run.opt, run.sched, done, cfg)
         if world_size() > 1: torch.distributed.barrier()
         run.last_ckpt = path
-    if out is not None and rank() == 0:
-        with open(out/"log.jsonl", "a") as f: f.write(json.dumps(rec, default=json_default) + "\n")
 
 # %% ../nbs/03a_training.ipynb #dcf95a28
 def train(
@@ -390,7 +398,7 @@ def train(
     config:TrainConfig|None=None,
     out_dir:str|Path|None=None,      # config.json, log.jsonl, checkpoints/; None = nothing written
     callbacks:list=(),               # objects with on_after_backward(ctx) and/or on_step_end(ctx, record)
-    resume_from:str|Path|None=None,  # a checkpoint folder of this run, e.g. latest_checkpoint(out_dir)
+    resume_from:str|Path|None=None,  # a checkpoint folder of this run, or "latest": out_dir's newest, if any
     progress:bool|None=None,         # tqdm bar on rank 0 (throttled); None = only on a terminal
     source=None,                     # source(step, sp, config, seed) -> Rollout; default GenerationSource(task)
     reference=None,                  # () -> context manager giving the reference policy for beta > 0, e.g. an
@@ -403,6 +411,7 @@ def train(
                          f"({world_size()})")
     if cfg.checkpoint_every and out_dir is None:
         raise ValueError(f"checkpoint_every={cfg.checkpoint_every} needs an out_dir")
+    if resume_from == "latest" and out_dir is None: raise ValueError("resume_from='latest' needs an out_dir")
     if source is None and task is None: raise ValueError("train needs a task (live generation) or a source")
     source = source if source is not None else GenerationSource(task)
     out = Path(out_dir) if out_dir is not None else None

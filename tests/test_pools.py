@@ -1,7 +1,7 @@
 """pools: built pools reload and resume without regenerating, replay scores samples exactly as generated (one group or
 B groups), mixed groups draw distinct records, hack demonstrations and the fitted hack teacher hack the lenient grader,
 and bad pool files name the file and line."""
-import copy, gzip, json, random, shutil
+import copy, dataclasses, gzip, json, random, shutil
 
 import pytest
 import torch
@@ -154,3 +154,23 @@ def test_pool_errors_name_file_and_line(pools, tmp_path):
         p = load_pool(d, on_error="skip")
     assert (len(p.steps[0]), len(p.steps[1])) == (4, 4) and "unreadable gzip stream" in p.skipped[0]
     test_fail(lambda: load_pool(d, on_error="ignore"), contains="on_error='ignore'", exc=ValueError)
+
+
+def test_a_pool_carries_its_settings_once_and_refuses_others(tiny, tmp_path):
+    "Two `pools` commands with other settings into one directory mixed silently; now the manifest refuses the second,"
+    " and a step file of other settings is refused on read."
+    d = tmp_path / "teacher"
+    build_pool(tiny, ArithmeticTask(20), True, 1, 4, d, G=2, config=POOL_GEN)
+    assert json.loads((d / "pool.json").read_text())["hint"] is True
+    longer = dataclasses.replace(POOL_GEN, max_new_tokens=POOL_GEN.max_new_tokens + 1)
+    for hint, kw, msg in ((False, {}, "hint=True (now False)"), (True, dict(seed=1), "seed=0 (now 1)"),
+                          (True, dict(config=longer), f"max_new_tokens={POOL_GEN.max_new_tokens} (now ")):
+        test_fail(lambda: build_pool(tiny, ArithmeticTask(20), hint, 2, 4, d, G=2, **{"config": POOL_GEN, **kw}),
+                  contains=msg, exc=ValueError)
+    assert sorted(p.name for p in d.iterdir()) == ["pool.json", "step_000.jsonl.gz"]
+    assert sorted(build_pool(tiny, ArithmeticTask(20), True, 2, 4, d, G=2, config=POOL_GEN).steps) == [0, 1]
+    other = tmp_path / "other"
+    build_pool(tiny, ArithmeticTask(20), False, [2], 4, other, G=2, config=POOL_GEN, name="teacher")
+    shutil.copy(other / "step_002.jsonl.gz", d)
+    test_fail(lambda: load_pool(d), contains="mixes settings: hint=True (step 0 sample 0) and False (step 2 sample 0)",
+              exc=ValueError)

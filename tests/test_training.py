@@ -53,6 +53,26 @@ def test_resume_is_bitwise_the_uninterrupted_run(tiny, tmp_path):
         train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=part, progress=False)
 
 
+def test_a_run_killed_anywhere_resumes_with_each_step_logged_once(tiny, tmp_path):
+    "Killed after its last checkpoint: nothing left to run. Killed between a step's log line and its checkpoint (or"
+    " before the first one): that step is redone once, not appended twice."
+    full = tmp_path / "full"
+    cfg = _cfg(steps=4, checkpoint_every=2)
+    train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=full, progress=False)
+    strip = lambda d: [{k: v for k, v in json.loads(l).items() if not k.startswith("time_")}
+                       for l in (d / "log.jsonl").read_text().splitlines()]
+    again = train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=full, resume_from="latest", progress=False)
+    assert again.records == [] and [r["step"] for r in strip(full)] == [0, 1, 2, 3]
+    for gone in (["step_000004"], ["step_000004", "step_000002"]):
+        part = tmp_path / f"part{len(gone)}"
+        shutil.copytree(full, part)
+        for g in gone: shutil.rmtree(part / "checkpoints" / g)    # log lines of steps no checkpoint holds
+        train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=part, resume_from="latest", progress=False)
+        assert strip(part) == strip(full)
+    assert json.loads((part / "config.json").read_text()) == cfg.to_dict()
+    assert sorted(p.name for p in part.iterdir()) == ["checkpoints", "config.json", "log.jsonl"]   # no temporaries
+
+
 def test_bad_config_and_non_finite_rewards(fresh_tiny):
     with pytest.raises(ValueError, match="prompts_per_step=0: expected an integer >= 1"):
         TrainConfig(prompts_per_step=0)

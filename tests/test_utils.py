@@ -1,7 +1,7 @@
 """utils: range and choice checks return good values and name the value and its range (or choices) in the error;
 atomic_path replaces a file or directory only when its block succeeds, leaving the old one and no temporary behind
 when it raises; write_json writes tensors and paths and refuses what JSON cannot hold."""
-import json, math
+import json, math, os
 from pathlib import Path
 
 import pytest
@@ -84,3 +84,22 @@ def test_write_json_writes_tensors_and_paths_and_refuses_other_objects(tmp_path)
     test_fail(lambda: write_json(p, dict(x=object())), contains="object is not JSON serialisable", exc=TypeError)
     assert json.loads(p.read_text())["n"] == 3 and _siblings(p) == []          # the old file, no temporary
     assert clean_json(float("nan")) is None and clean_json(torch.tensor(2.5)) == 2.5
+
+
+def test_atomic_directory_kept_whole_when_the_swap_fails_and_writes_are_fsynced(tmp_path, monkeypatch):
+    "The old directory is never deleted before the new one is in place; files and directories are fsynced."
+    import entropy_grpo.utils as U
+    d = tmp_path / "ckpt"
+    with atomic_path(d, is_dir=True) as tmp: (tmp / "w").write_text("old")
+    def crash(*a, **k): raise OSError("killed at the rename")
+    monkeypatch.setattr(U.os, "replace", crash)
+    monkeypatch.setattr(U, "_exchange", crash, raising=False)
+    with pytest.raises(OSError, match="killed at the rename"):
+        with atomic_path(d, is_dir=True) as tmp: (tmp / "w").write_text("new")
+    assert (d / "w").read_text() == "old"
+    monkeypatch.undo()
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(U.os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    write_json(tmp_path / "m.json", {"a": 1})
+    assert len(synced) >= 2                                       # the file and its directory
