@@ -170,7 +170,7 @@ def test_below_noise_floor_names_lrs_to_try_and_leaves_the_recommendation():
     row = entropy_probe_row(low)
     assert row["verdict"] == "below noise floor" and "try lrs" in row["detail"]
     base = [dict(key=k, metric=k, arm="vanilla", value="", null=None, verdict="success", detail="")
-            for k in ("cos_in", "contrib", "step_along_v")]
+            for k in ("hack_specific", "cos_in", "contrib", "step_along_v")]
     for r in (row, {**row, "verdict": "fail", "detail": "slope 0.22 outside [1.6, 2.5]"}):
         d = decide(base + [r])
         assert d["recommendation"] == decide(base)["recommendation"] == "launch Phase 3"
