@@ -332,7 +332,8 @@ def cli_parser() -> argparse.ArgumentParser:
     c = _run_parser(sub, "calibrate", "calibration", "the Phase-2 decision in synthetic worlds over fresh seeds: "
                     "launch rate per world with its 95%% interval (report under runs/local/calibration)", common)
     c.add_argument("--seeds", type=int, help="fresh seeds per world (default 40; or -p seeds=N, not both)")
-    c.add_argument("--out", help="run directory (an interrupted calibration resumes from its finished seeds; its LOG.md goes beside it)")
+    c.add_argument("--out", help="run directory (an interrupted calibration resumes from its finished seeds; its "
+                   "LOG.md goes beside it)")
     s = _run_parser(sub, "sweep", "train", "Phase-3 sweep: one job per (seed, arm) through submitit, resumable", common)
     s.add_argument("--template", default="train"); s.add_argument("--exp", default="phase3")
     s.add_argument("--out", help="sweep directory (default runs/<exp>; its LOG.md goes beside it)")
