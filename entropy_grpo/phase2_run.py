@@ -183,7 +183,8 @@ def in_sample(self:Phase2Run) -> dict:
     c = self.cfg
     recs = [r for s in self.split["fit_steps"] for r in mixed_records(self.pools, s, c.G // 2, c.seed)]
     groups = [recs[i:i + c.G] for i in range(0, len(recs), c.G)]
-    adv = group_advantages(torch.tensor([[float(r["reward"]) for r in g] for g in groups]))
+    dev = next(self.adapter.model.parameters()).device          # the scoring model's device
+    adv = group_advantages(torch.tensor([[float(r["reward"]) for r in g] for g in groups], device=dev))
     named = {n: p for n, p in self.adapter.model.named_parameters() if p.requires_grad}
     con = sample_contributions(self.student, replay_batch(groups, self.tok, "hint_prompt"), named, adv,
                                length_norm=c.length_norm, num_prompts=len(groups))
@@ -270,7 +271,8 @@ def entropy_probe(self:Phase2Run) -> dict:
                          batch_config=BatchConfig(E_total_sequences=c.E_total_sequences, G=c.G, hint=True, seed=c.seed))
     E = pc.sample_E_batch()
     groups = [mixed_records(self.pools, s, c.G // 2, c.seed) for s in self.split["replay_steps"][:c.B_U]]
-    rewards = torch.tensor([[float(r["reward"]) for r in g] for g in groups])
+    rewards = torch.tensor([[float(r["reward"]) for r in g] for g in groups],
+                           device=next(self.adapter.model.parameters()).device)
     U = make_probe_batch(replay_batch(groups, self.tok, "hint_prompt"), rewards, group_advantages(rewards),
                          max_new_tokens=c.max_new_tokens)
     tc = TrainConfig(prompts_per_step=c.B_U, num_generations=c.G, lr=max(c.lrs), length_norm=c.length_norm,
