@@ -16,7 +16,7 @@ from fastcore.basics import patch
 
 from .adapters import add_delta_s, add_lora
 from .contributions import cosines, sample_contributions
-from .decision import decide, entropy_probe_row, pool_flags, verification_table
+from .decision import decide, entropy_probe_row, own_direction, pool_flags, verification_table
 from .dr_grpo import group_advantages
 from .phase2 import Phase2Recorder, load_slim, load_steps
 from .policies import policy_by_name
@@ -235,7 +235,6 @@ def _band(values:list, q:float) -> float:
 def alignment_figure(self:Phase2Run):
     "cos_in / cos_out per step beside the permuted band, and the gate's statistic by bucket; saved as alignment.png."
     import matplotlib.pyplot as plt
-    from entropy_grpo.decision import own_direction
     c, nan = self.cfg, lambda x: np.nan if x is None else x
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
     van = self.arms[c.vanilla_arm]["steps"]
@@ -296,7 +295,7 @@ _PROBE_KEYS = ("rows", "slope", "H_orig", "floor", "floor_diffs", "dtype", "floo
                "verdict", "detail", "try_lrs", "flags", "cov_U_seq", "grad_norm", "clip_coef", "update", "slope_range")
 
 @patch
-def metrics(self:Phase2Run, status:str="ok") -> dict:
+def metrics(self:Phase2Run) -> dict:
     "metrics.json's content (written to out_dir): parameters, split, verdicts, decision, per-step numbers, probe."
     verdicts = [{k: r[k] for k in ("key", "metric", "arm", "value", "null", "verdict", "detail")} for r in self.rows]
     summary = f"{self.decision['recommendation']}; " + "; ".join(f"{r['metric']} [{r['arm']}]: {r['verdict']}"
@@ -307,7 +306,7 @@ def metrics(self:Phase2Run, status:str="ok") -> dict:
                    contrib_in_sample=getattr(self, "contrib_in_sample", None), verification=verdicts,
                    decision=self.decision)
     if hasattr(self, "ent"): results["entropy_probe"] = {k: self.ent[k] for k in _PROBE_KEYS}
-    m = dict(status=status, git_sha=git_sha(), parameters=asdict(self.cfg), summary=summary, split=self.split,
+    m = dict(status="ok", git_sha=git_sha(), parameters=asdict(self.cfg), summary=summary, split=self.split,
              results=results, figures=[f for f in ("alignment.png", "entropy_probe.png") if (self.out/f).exists()],
              timings=self.timings)
     write_json(self.out/"metrics.json", m)
