@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .dist import all_reduce_counts, all_reduce_extreme, all_reduce_sum
 from .dr_grpo import check_length_norm, policy_gradient_backward
+from .policies import checkpointed_train_mode, wants_checkpointing
 from .sequence_processor import GenerationConfig, SequenceProcessor, as_batched_sequences
 from .utils import check_choice, check_range
 
@@ -181,6 +182,7 @@ def probe_copy(
     sp:SequenceProcessor,             # scores the run's model
     optimizer:torch.optim.Optimizer,  # steps its parameters
     dtype:torch.dtype,
+    checkpointing:bool|str|None="auto",  # the copy's gradient checkpointing; "auto": above CHECKPOINT_ABOVE parameters
 )->tuple[SequenceProcessor, torch.optim.Optimizer]:  # the same pair (norms made float64) when already in `dtype`
     "A copy of the model in `dtype` with its own SequenceProcessor and an optimizer of the same kind, state cast."
     if all(p.dtype == dtype for p in sp.model.parameters() if p.is_floating_point()):
@@ -188,12 +190,16 @@ def probe_copy(
         return sp, optimizer
     model = copy.deepcopy(sp.model).to(dtype)
     if dtype == torch.float64: full_precision_norms(model)
+    if wants_checkpointing(model, checkpointing): checkpointed_train_mode(model)
     name = {id(p): n for n, p in sp.model.named_parameters()}
     new = dict(model.named_parameters())
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [new[name[id(p)]] for p in g["params"]]}
               for g in optimizer.param_groups]
     opt = type(optimizer)(groups)
     opt.load_state_dict(optimizer.state_dict())                      # floating-point state cast to the new dtype
+    kept = {id(t) for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)}
+    for s in opt.state.values():                                     # Adam's `step` arrives uncast: the same tensor,
+        s.update({k: v.clone() for k, v in s.items() if id(v) in kept})   # which a probe step would advance in place
     return SequenceProcessor(model, sp.tokenizer, sp.config, progress=sp.progress), opt
 
 @torch.no_grad()

@@ -69,7 +69,7 @@ class _GpuSlots:
     "One LocalExecutor per GPU; each job goes to the next GPU once that GPU's previous job has ended."
     def __init__(self, folder, gpus:list, timeout_min:int):
         import submitit
-        self.slots, self.n = [], 0
+        self.folder, self.slots, self.n = Path(folder), [], 0     # the sweep writes controllers.log there
         for g in gpus:
             ex = submitit.LocalExecutor(folder=str(folder))
             ex.update_parameters(timeout_min=timeout_min, gpus_per_node=1, visible_gpus=[g])

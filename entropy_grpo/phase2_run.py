@@ -28,11 +28,11 @@ from .projection_arms import (ARM_ADAPTER, V_HACK_SOURCES, ProjectionArm, comple
 from .reports import git_sha
 from .sequence_processor import GenerationConfig, SequenceProcessor, make_probe_batch
 from .tasks import LEAKY_HINT, ArithmeticTask
-from .training import TrainConfig, train
+from .training import TrainConfig, build_optimizer, train
 from .utils import check_choice, check_range, write_json
 
 # %% auto #0
-__all__ = ['Phase2Config', 'Phase2Run']
+__all__ = ['PROBE_TF_BATCH', 'Phase2Config', 'Phase2Run']
 
 # %% ../nbs/06b_phase2_run.ipynb #69eb6fb1
 @dataclass
@@ -259,13 +259,15 @@ def alignment_figure(self:Phase2Run):
     return fig
 
 # %% ../nbs/06b_phase2_run.ipynb #3ec5251b
+PROBE_TF_BATCH = 8   # sequences per teacher-forcing pass of the float64 probe (at least one prompt's G)
+
 @patch
 def entropy_probe(self:Phase2Run) -> dict:
     "probes.run_mixed_probe on E (the student's samples) and U (held-out mixed groups); its row joins the table."
     c = self.cfg
     sp = SequenceProcessor(self.adapter.model, self.tok, GenerationConfig(
         temperature=c.temperature, top_p=c.top_p, max_new_tokens=c.max_new_tokens, num_generations=c.G,
-        tf_batch_size=8), progress=False)
+        tf_batch_size=PROBE_TF_BATCH), progress=False)
     pc = ProbeComponents(self.adapter.model, self.tok, self.task, sequence_processor=sp,
                          batch_config=BatchConfig(E_total_sequences=c.E_total_sequences, G=c.G, hint=True, seed=c.seed))
     E = pc.sample_E_batch()
@@ -276,8 +278,7 @@ def entropy_probe(self:Phase2Run) -> dict:
                          max_new_tokens=c.max_new_tokens)
     tc = TrainConfig(prompts_per_step=c.B_U, num_generations=c.G, lr=max(c.lrs), length_norm=c.length_norm,
                      seed=c.seed, arm=c.vanilla_arm, generation=self.gen)
-    opt = torch.optim.AdamW(self.adapter.parameters(), lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2),
-                            eps=tc.adam_epsilon, weight_decay=tc.weight_decay)
+    opt = build_optimizer(self.adapter.parameters(), tc)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         self.ent = run_mixed_probe(sp, E, U, opt, lrs=list(c.lrs), train_config=tc, dtype=c.probe_dtype,

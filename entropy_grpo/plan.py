@@ -14,12 +14,13 @@ import torch
 
 from .adapters import add_delta_s, add_lora
 from .dr_grpo import policy_gradient_backward
-from .policies import convert_default_policy, policy_by_name, tiny_policy
-from .probes import BatchConfig
+from .policies import (CHECKPOINT_ABOVE, convert_default_policy, policy_by_name, set_checkpointing,
+                                   tiny_policy, wants_checkpointing)
+from .phase2_run import PROBE_TF_BATCH, Phase2Config
 from .projection_arms import ARM_ADAPTER
 from .reports import template_path
 from .sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor
-from .training import CHECKPOINT_ABOVE, TrainConfig, use_gradient_checkpointing
+from .training import TrainConfig, build_optimizer
 from .utils import check_choice, markdown_table
 
 # %% auto #0
@@ -84,7 +85,10 @@ class RunShape:
     tf_batch_size:int=GenerationConfig.tf_batch_size    # sequences per teacher-forcing forward
     gen_batch_size:int=GenerationConfig.gen_batch_size  # sequences per `generate` call
     head_chunk_size:int=GenerationConfig.head_chunk_size
-    E_sequences:int=BatchConfig.E_total_sequences  # the entropy probe's |E|
+    probe_arm:str=Phase2Config.arm    # the entropy probe runs in Phase 2: its arm's adapter ("projected": δS)
+    probe_E:int=Phase2Config.E_total_sequences      # the probe's |E|
+    probe_U:int=Phase2Config.B_U * Phase2Config.G   # sequences in its update batch U
+    probe_microbatch:int=max(1, PROBE_TF_BATCH // Phase2Config.G) * Phase2Config.G   # sequences per float64 pass
     n_pairs:int=64                    # (hack, clean) pairs behind v_hack
     gpu_gb:float=80                   # the GPU's memory, GB (1e9 bytes)
 
@@ -93,45 +97,66 @@ def _act_token_layer(s:dict, w:int) -> int:
     rotary with the attention output, SwiGLU's four [I] tensors. Fused attention keeps no [T, T] matrix."""
     return 2 * (2 * w + 8) * s["d"] + 3 * w * (s["d_q"] + s["d_kv"]) + 4 * w * s["I"]
 
-def _adapter(s:dict, run:RunShape, w:int) -> tuple[int, int, int]:
+def _adapter(s:dict, adapter:str, w:int) -> tuple[int, int, int]:
     "(trainable parameters, adapter bytes beside the weights, bytes per trainable parameter for grad + AdamW)."
-    if run.adapter == "lora": return s["lora"], 4 * s["lora"], 12                # float32 A, B; grad, m, v
-    if run.adapter == "delta_s": return s["delta_s"], w * s["svd_elements"] + 4 * s["delta_s"], 12  # U, S, Vh
+    if adapter == "lora": return s["lora"], 4 * s["lora"], 12                    # float32 A, B; grad, m, v
+    if adapter == "delta_s": return s["delta_s"], w * s["svd_elements"] + 4 * s["delta_s"], 12  # U, S, Vh
     return s["params"], 0, 3 * w                                                # full: grad, m, v in the dtype
+
+def _head(s:dict, run:RunShape, n:int, b:int) -> int:
+    "Bytes of the LM head's pass over n completion positions in a b-byte dtype: their hiddens + one chunk's logits."
+    return n * s["d"] * b + 4 * b * min(run.head_chunk_size, n) * s["vocab"]
+
+def _activations(s:dict, tokens:int, b:int, ckpt:bool) -> int:
+    "Bytes a backward keeps for `tokens` tokens (b bytes each): all layers' sets, or (checkpointed) inputs + one set."
+    a = _act_token_layer(s, b)
+    return tokens * (s["layers"] * s["d"] * b + a) if ckpt else tokens * s["layers"] * a
+
+def _attn_flops(s:dict, n:int, ctx:int) -> int:
+    "QKᵀ and AV of n sequences over ctx positions."
+    return 2 * s["layers"] * s["d_q"] * n * ctx * ctx
+
+def _probe_phase(s:dict, run:RunShape, ckpt:bool) -> tuple:
+    """The float64 entropy probe at Phase 2's shape (|E| = probe_E, U = probe_U sequences, probe_microbatch per
+    pass) on the adapter of Phase 2's arm: (name, terms, bytes beside the model's weights, FLOPs, note)."""
+    P, ctx, ad = s["params"], run.prompt_len + run.max_new_tokens, ARM_ADAPTER[run.probe_arm]
+    trainable, extra, _ = _adapter(s, ad, BYTES[run.dtype])
+    parts = dict(float64_copy=P * 8 + (s["svd_elements"] * 8 if ad == "delta_s" else 0),
+                 state=trainable * (8 + 8 + 16) * 2,            # param, grad, m, v in float64; and their snapshot
+                 activations=_activations(s, run.probe_microbatch * ctx, 8, ckpt),
+                 head=_head(s, run, run.probe_microbatch * run.max_new_tokens, 8))
+    flops = 2 * P * 3 * run.probe_E * ctx + (8 + 2 * ckpt) * P * run.probe_U * ctx + \
+        4 * _attn_flops(s, run.probe_E, ctx)
+    return ("entropy probe", parts, extra, flops, f"float64 copy, {ad}; |E| = {run.probe_E}, U = {run.probe_U}, "
+            f"{run.probe_microbatch} sequences per pass; checkpointing {'on' if ckpt else 'off'}")
 
 # %% ../nbs/07b_plan.ipynb #dd825fbc
 def plan_phases(s:dict, run:RunShape) -> list[dict]:
     "Per phase: peak memory (bytes), FLOPs and the main terms, for model counts `s` and run `run`."
-    w, P, L, V, d = BYTES[run.dtype], s["params"], s["layers"], s["vocab"], s["d"]
+    w, P, L = BYTES[run.dtype], s["params"], s["layers"]
     ctx, n_seq, W = run.prompt_len + run.max_new_tokens, run.prompts_per_step * run.G, s["params"] * BYTES[run.dtype]
-    trainable, extra, per_param = _adapter(s, run, w)
-    kv_tok, a_tok = 2 * L * s["d_kv"] * w, _act_token_layer(s, w)
-    attn = lambda n, c0, c1: 2 * L * s["d_q"] * n * (c1 * c1 - c0 * c0)   # QKᵀ and AV over positions c0..c1
+    trainable, extra, per_param = _adapter(s, run.adapter, w)
     per_call = min(max(1, run.gen_batch_size // run.G) * run.G, n_seq)
-    gen = dict(kv=per_call * ctx * kv_tok, prefill=per_call * run.prompt_len * a_tok, logits=3 * 4 * per_call * V)
+    gen = dict(kv=per_call * ctx * 2 * L * s["d_kv"] * w, prefill=per_call * run.prompt_len * _act_token_layer(s, w),
+               logits=3 * 4 * per_call * s["vocab"])
     ckpt = run.gradient_checkpointing if run.gradient_checkpointing not in (None, "auto") else P > CHECKPOINT_ABOVE
     mb_seq = (run.prompts_per_microbatch or max(1, run.tf_batch_size // run.G)) * run.G     # sequences per backward
-    mb = mb_seq * ctx
-    head = lambda n, b: n * d * b + 4 * b * min(run.head_chunk_size, n) * V   # completion hiddens + one chunk's logits
-    trn = dict(state=trainable * per_param, activations=mb * (L * d * w + a_tok) if ckpt else mb * L * a_tok,
-               head=head(mb_seq * run.max_new_tokens, 4), reference=W if run.beta > 0 and run.adapter == "none" else 0)
-    f64 = P * 8 + (s["svd_elements"] * 8 if run.adapter == "delta_s" else 0)
-    prb = dict(float64_copy=f64, state=trainable * (8 + 8 + 16) * 2,   # param, grad, m, v; and their snapshot
-               activations=mb * L * _act_token_layer(s, 8), head=head(mb_seq * run.max_new_tokens, 8))
-    vh = dict(activations=2 * 2 * ctx * L * a_tok, gradients=2 * 2 * trainable * 4,   # batched backward: 2 outputs
-              head=head(2 * run.max_new_tokens, 4))
-    T, T_E, T_v = n_seq * ctx, run.E_sequences * ctx, 2 * run.n_pairs * ctx
-    rows = [("generation", gen, 2 * P * T + attn(n_seq, 0, ctx),
+    trn = dict(state=trainable * per_param, activations=_activations(s, mb_seq * ctx, w, ckpt),
+               head=_head(s, run, mb_seq * run.max_new_tokens, 4),
+               reference=W if run.beta > 0 and run.adapter == "none" else 0)
+    vh = dict(activations=2 * 2 * ctx * L * _act_token_layer(s, w), gradients=2 * 2 * trainable * 4,  # 2 outputs
+              head=_head(s, run, 2 * run.max_new_tokens, 4))
+    T, T_v = n_seq * ctx, 2 * run.n_pairs * ctx
+    rows = [("generation", gen, extra, 2 * P * T + _attn_flops(s, n_seq, ctx),
              f"{math.ceil(n_seq / per_call)} generate call(s) of {per_call} sequences"),
-            ("training step", trn, (8 + 2 * ckpt + 2 * (run.beta > 0)) * P * T + 4 * attn(n_seq, 0, ctx),
+            ("training step", trn, extra, (8 + 2 * ckpt + 2 * (run.beta > 0)) * P * T + 4 * _attn_flops(s, n_seq, ctx),
              f"backward over {mb_seq} sequences; checkpointing {'on' if ckpt else 'off'}"),
-            ("entropy probe", prb, 2 * P * 3 * T_E + 8 * P * T + 4 * attn(run.E_sequences, 0, ctx),
-             f"float64 copy; |E| = {run.E_sequences}, U = {n_seq} sequences"),
-            ("v_hack", vh, 10 * P * T_v, f"{run.n_pairs} pairs, one on the GPU at a time "
+            _probe_phase(s, run, ckpt),
+            ("v_hack", vh, extra, 10 * P * T_v, f"{run.n_pairs} pairs, one on the GPU at a time "
              f"({run.n_pairs * 2 * trainable * 4 / 1e9:.2f} GB of gradients in host memory)")]
-    return [dict(phase=name, bytes=W + extra + sum(parts.values()), weights=W + extra, parts=parts, flops=fl,
-                 fits=W + extra + sum(parts.values()) <= run.gpu_gb * 1e9, note=note, phase3=name != "entropy probe")
-            for name, parts, fl, note in rows]
+    return [dict(phase=name, bytes=W + ex + sum(parts.values()), weights=W + ex, parts=parts, flops=fl,
+                 fits=W + ex + sum(parts.values()) <= run.gpu_gb * 1e9, note=note, phase3=name != "entropy probe")
+            for name, parts, ex, fl, note in rows]
 
 # %% ../nbs/07b_plan.ipynb #c54960e6
 def _literal(node):
@@ -194,7 +219,7 @@ def plan_report(p:dict) -> str:
     return "\n".join(lines) + markdown_table(rows, fmt="{:.1f}") + \
         (f"\n\nPhase 3 (the train template: generation, training step, v_hack) {fit(all(r['fits'] for r in p3))} a "
          f"{run['gpu_gb']:g} GB GPU: its largest phase is {big['phase']} at {big['bytes'] / 1e9:.1f} GB. Phase 2's "
-         f"float64 entropy probe at this shape: {probe['bytes'] / 1e9:.1f} GB, {fit(probe['fits'])}.")
+         f"float64 entropy probe ({probe['note']}): {probe['bytes'] / 1e9:.1f} GB, {fit(probe['fits'])}.")
 
 def add_plan_parser(sub):
     "The `plan` subcommand of the `entropy-grpo` command."
@@ -229,15 +254,14 @@ def _measure(params:dict, phase:str) -> int:
     B, ctx, V = run.prompts_per_step, run.prompt_len + run.max_new_tokens, len(tok)
     ids = torch.randint(0, V, (B, run.G, ctx), generator=torch.Generator().manual_seed(0))
     ids[(ids == tok.eos_token_id) | (ids == tok.pad_token_id)] = 3               # no early end: every token counts
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    opt = build_optimizer([p for p in model.parameters() if p.requires_grad], TrainConfig(lr=1e-6))
     if phase == "generation":
         n = min(max(1, run.gen_batch_size // run.G), B)
         with PeakRSS() as pk, torch.no_grad():
             model.generate(input_ids=ids[:n, :, :run.prompt_len].reshape(-1, run.prompt_len), do_sample=True, top_k=0,
                            max_new_tokens=run.max_new_tokens, min_new_tokens=run.max_new_tokens)
         return pk.rise
-    if use_gradient_checkpointing(model, TrainConfig(gradient_checkpointing=run.gradient_checkpointing)):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+    if wants_checkpointing(model, run.gradient_checkpointing): set_checkpointing(model)
     seqs = BatchedSequences(ids, torch.ones_like(ids), [run.prompt_len] * B, torch.full((B, run.G), run.max_new_tokens))
     adv = torch.randn(B, run.G, generator=torch.Generator().manual_seed(1))
     model.train()

@@ -14,7 +14,8 @@ import torch
 from .utils import atomic_path, check_choice
 
 # %% auto #0
-__all__ = ['log', 'DEFAULT_POLICY', 'DEFAULT_GGUF', 'SMOLLM2_INSTALL', 'TINY_EOS', 'TINY_PAD', 'default_device', 'resolve_dtype',
+__all__ = ['log', 'DEFAULT_POLICY', 'DEFAULT_GGUF', 'SMOLLM2_INSTALL', 'CHECKPOINT_ABOVE', 'TINY_EOS', 'TINY_PAD',
+           'default_device', 'resolve_dtype', 'wants_checkpointing', 'set_checkpointing', 'checkpointed_train_mode',
            'prepare_tokenizer', 'cache_dir', 'smollm2_gguf_path', 'convert_default_policy', 'load_policy',
            'tiny_tokenizer', 'tiny_policy', 'policy_by_name']
 
@@ -42,6 +43,30 @@ def resolve_dtype(dtype=None, device=None) -> torch.dtype:
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
     return names[check_choice("dtype", dtype, sorted(names))]
+
+# %% ../nbs/00a_policies.ipynb #02dbad2d
+CHECKPOINT_ABOVE = 1_000_000_000   # parameters: gradient checkpointing on by default above this (Qwen3-4B: on)
+
+def wants_checkpointing(model, setting:bool|str|None="auto") -> bool:
+    "`setting` when True or False; None or 'auto': whether `model` has more than CHECKPOINT_ABOVE parameters."
+    check_choice("gradient_checkpointing", setting, (None, "auto", True, False))
+    if setting not in (None, "auto"): return bool(setting)
+    return sum(p.numel() for p in model.parameters()) > CHECKPOINT_ABOVE
+
+def set_checkpointing(model, on:bool=True):
+    "Non-reentrant gradient checkpointing on (or off) for a transformers model; transformers 5's name first."
+    if not on: return model.gradient_checkpointing_disable()
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None: enable(dict(use_reentrant=False))
+    else: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+
+def checkpointed_train_mode(model):
+    "Gradient checkpointing on, every dropout at 0, train mode (transformers checkpoints only in train mode)."
+    set_checkpointing(model)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout): m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float): m.attention_dropout = 0.0
+    return model.train()
 
 # %% ../nbs/00a_policies.ipynb #42d217e6
 def prepare_tokenizer(tokenizer):

@@ -17,7 +17,7 @@ import torch
 from .dist import shard_slice
 from .sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor, pack_sequences
 from .tasks import Problem
-from .training import Rollout, TrainConfig, apply_lora
+from .training import Rollout, TrainConfig, apply_lora, build_optimizer
 from .utils import atomic_path, check_choice, check_range, tqdm_disable, write_json
 
 # %% auto #0
@@ -255,8 +255,9 @@ def fit_hack_teacher(
     "NLL fine-tuning of a LoRA adapter on hack demonstrations: a teacher that exploits the lenient grader."
     from tqdm.auto import tqdm
     check_range("steps", steps, 1, integer=True)
-    teacher = apply_lora(model, TrainConfig(lora_r=lora_r, seed=seed))
-    opt = torch.optim.AdamW([p for p in teacher.parameters() if p.requires_grad], lr=lr)
+    cfg = TrainConfig(lora_r=lora_r, seed=seed, lr=lr, weight_decay=0.01)   # torch's AdamW default, as recorded
+    teacher = apply_lora(model, cfg)
+    opt = build_optimizer([p for p in teacher.parameters() if p.requires_grad], cfg)
     rng, dev, losses = random.Random(seed), next(teacher.parameters()).device, []
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     teacher.train()

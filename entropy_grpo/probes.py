@@ -366,7 +366,7 @@ def run_mixed_probe(
         clash = {k: v for k, v in (cfg_importance or {}).items() if k in upd and v != upd[k]}
         if clash: raise ValueError(f"cfg_importance {clash} contradicts train_config's update {upd}")
     cfg = importance_config({**upd, **(cfg_importance or {})})
-    psp, popt = probe_copy(sp, optimizer, probe_dtype(dtype))
+    psp, popt = probe_copy(sp, optimizer, probe_dtype(dtype), (train_config or TrainConfig()).gradient_checkpointing)
     probe, t0 = DeltaEntropyIS(psp.model, psp.config, sequence_processor=psp), time.perf_counter()
     floor = probe.noise_floor(E_batch, floor_draws, cfg_importance=cfg)
     one = first_order_delta_entropy(psp, E_batch, U_batch, popt, lr=1.0, estimator=estimator,

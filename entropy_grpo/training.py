@@ -16,17 +16,17 @@ from tqdm.auto import tqdm
 
 from .dist import all_reduce_sum, rank, shard_slice, world_size
 from .dr_grpo import SCALE_REWARDS, _eps_pair, check_length_norm, group_advantages, policy_gradient_backward
+from .policies import set_checkpointing, wants_checkpointing
 from .sequence_processor import BatchedSequences, GenerationConfig, LogprobResults, SequenceProcessor
 from .utils import atomic_path, check_choice, check_range, json_default, tqdm_disable, write_json
 
 # %% auto #0
-__all__ = ['SCHEDULERS', 'CHECKPOINT_ABOVE', 'FLAGS', 'TrainConfig', 'step_problems', 'Rollout', 'GenerationSource', 'apply_lora',
+__all__ = ['SCHEDULERS', 'FLAGS', 'TrainConfig', 'step_problems', 'Rollout', 'GenerationSource', 'apply_lora',
            'trainable_parameters', 'save_checkpoint', 'load_checkpoint', 'latest_checkpoint', 'StepContext',
-           'TrainResult', 'use_gradient_checkpointing', 'train']
+           'TrainResult', 'build_optimizer', 'train']
 
 # %% ../nbs/03a_training.ipynb #4a2286c1
 SCHEDULERS = ("constant", "linear", "cosine")
-CHECKPOINT_ABOVE = 1_000_000_000   # parameters: gradient checkpointing on by default above this (Qwen3-4B: on)
 
 @dataclass
 class TrainConfig:
@@ -247,24 +247,20 @@ class _Run:
     last_ckpt:Path|None
     reference:object=None   # () -> context manager in which the model is the reference policy
 
-def use_gradient_checkpointing(model, cfg:TrainConfig) -> bool:
-    "`cfg.gradient_checkpointing`, or when None whether the model has more than CHECKPOINT_ABOVE parameters."
-    if cfg.gradient_checkpointing not in (None, "auto"): return bool(cfg.gradient_checkpointing)
-    return sum(p.numel() for p in model.parameters()) > CHECKPOINT_ABOVE
+def build_optimizer(params, cfg:TrainConfig, lr:float|None=None) -> torch.optim.AdamW:
+    "The package's one optimizer: AdamW with `cfg`'s betas, eps and weight decay, at `lr` (default `cfg.lr`)."
+    return torch.optim.AdamW(list(params), lr=cfg.lr if lr is None else lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
 
 def _setup(model, tokenizer, cfg:TrainConfig, resume_from, out:Path|None, reference=None) -> _Run:
     "Wrap, build the optimizer, scheduler and scorers, resume, prepare out_dir."
     from peft import PeftModel
     from transformers import get_scheduler
     if cfg.lora_r is not None: model = apply_lora(model, cfg)
-    if use_gradient_checkpointing(model, cfg):           # transformers 5's name first, then the older one
-        on = getattr(model, "activation_checkpointing_enable", None)
-        if on is not None: on(dict(use_reentrant=False))
-        else: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+    if wants_checkpointing(model, cfg.gradient_checkpointing): set_checkpointing(model)
     params = list(trainable_parameters(model).values())
     if not params: raise ValueError("the model has no parameter that requires grad: nothing to train")
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-                            weight_decay=cfg.weight_decay)
+    opt = build_optimizer(params, cfg)
     sched = get_scheduler("constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler, opt,
                           num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps * cfg.num_iterations)
     sp = SequenceProcessor(model, tokenizer, cfg.generation, progress=False)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from fastcore.test import test_fail
 
-from entropy_grpo.delta_entropy_is import DeltaEntropyIS
+from entropy_grpo.delta_entropy_is import DeltaEntropyIS, probe_copy
 from entropy_grpo.dr_grpo import group_advantages, policy_gradient_backward
 from entropy_grpo.policies import tiny_policy
 from entropy_grpo.sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor, make_probe_batch
@@ -65,6 +65,22 @@ def test_restore_is_bitwise_and_next_step_unchanged(tiny):
     twin, sp2, _, _, opt2 = make_probe(tiny)
     train_step(sp2, U, opt2)
     assert_same(snapshot(model, opt), snapshot(twin, opt2))
+
+
+def test_a_float64_copy_leaves_the_runs_optimizer_and_checkpointing_changes_nothing(tiny):
+    """The probe's float64 copy steps its own optimizer: the run's Adam state (its `step` counters too, which
+    load_state_dict hands over uncast) is bitwise what it was after probes on three copies; a checkpointed copy
+    (train mode, dropout 0) measures the same ΔH_true as a plain one."""
+    model, sp, E, U, opt = make_probe(tiny)
+    before = snapshot(model, opt)
+    dH = []
+    for on in (False, True, False):
+        s, o = probe_copy(sp, opt, torch.float64, checkpointing=on)
+        assert s.model.training == on and any(getattr(m, "gradient_checkpointing", False)
+                                              for m in s.model.modules()) == on
+        dH.append(DeltaEntropyIS(s.model, sp.config, sequence_processor=s).entropy_change(E, U, o, {"lr": 1e-3}))
+    assert_same(before, snapshot(model, opt))
+    assert dH[0]["deltaH_true"] == dH[2]["deltaH_true"] and abs(dH[0]["deltaH_true"] - dH[1]["deltaH_true"]) < 1e-12
 
 
 def test_restore_when_update_raises_midway(tiny, monkeypatch):

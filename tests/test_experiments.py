@@ -133,8 +133,11 @@ def test_a_second_sweep_on_a_directory_is_refused_naming_the_first(tmp_path, cap
     assert sorted(p.name for p in (tmp_path / "p3").iterdir()) == [".lock"]
 
 
-def test_a_sweep_with_a_failed_run_exits_non_zero_and_logs_beside_its_directory(tmp_path, capsys):
-    "A projected arm without pools fails in its notebook: exit 1; --out puts the runs and the LOG where it says."
+@pytest.mark.parametrize("gpus", ["", "0"])
+def test_a_sweep_with_a_failed_run_exits_non_zero_and_logs_beside_its_directory(tmp_path, capsys, monkeypatch, gpus):
+    """A projected arm without pools fails in its notebook: exit 1; --out puts the runs and the LOG where it says.
+    With a visible GPU ("0": the per-GPU executor; here the job's torch finds no device and runs on CPU) the same."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpus)
     out = tmp_path / "elsewhere" / "p3"
     assert main(["sweep", "--out", str(out), "--seeds", "0", "--arms", "projected", "--steps", "1",
                  "-p", "preset='smoke'", "--force"]) == 1

@@ -8,7 +8,7 @@ PKG = Path(__file__).resolve().parents[1] / "entropy_grpo"
 LAYERS = [("utils", "dist", "kept_sets"), ("policies", "tasks", "rb_entropy", "adapters"), ("sequence_processor",),
           ("dr_grpo",), ("training", "delta_entropy_is", "projection_arms"), ("probes", "pools"),
           ("contributions", "decision"),
-          ("phase2", "reports"), ("phase2_run", "plan"), ("calibration",), ("experiments",)]
+          ("phase2", "reports"), ("phase2_run",), ("calibration", "plan"), ("experiments",)]
 LAYER = {m: i for i, ms in enumerate(LAYERS) for m in ms}
 MODULES = sorted(p.stem for p in PKG.glob("*.py") if not p.stem.startswith("_"))
 

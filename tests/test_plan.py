@@ -29,6 +29,10 @@ def test_full_preset_fits_80_gb_and_names_each_phase(capsys):
     assert all(r["fits"] for r in p["phases"] if r["phase3"]) and "checkpointing on" in ph["training step"]["note"]
     off = {r["phase"]: r for r in plan(dict(preset="full", gradient_checkpointing=False))["phases"]}
     assert off["training step"]["parts"]["activations"] > 10 * ph["training step"]["parts"]["activations"]
+    # Phase 2's float64 probe (δS, |E| 32, U 16, 8 sequences per pass) fits only because its copy checkpoints
+    probe = ph["entropy probe"]
+    assert probe["fits"] and "delta_s; |E| = 32, U = 16, 8 sequences per pass" in probe["note"]
+    assert round(probe["parts"]["float64_copy"] / 1e9, 1) == 44.1 and not off["entropy probe"]["fits"]
     assert main(["plan", "-p", "preset='full'"]) == 0
     out = capsys.readouterr().out
     assert "4.02 B parameters" in out and "KV 147.5 KB per token" in out and "float64 copy 32.2 GB" in out

@@ -7,7 +7,9 @@ import torch
 from entropy_grpo import training
 from entropy_grpo.adapters import add_lora
 from entropy_grpo.sequence_processor import GenerationConfig
-from entropy_grpo.training import TrainConfig, train, use_gradient_checkpointing
+from entropy_grpo import policies
+from entropy_grpo.policies import wants_checkpointing
+from entropy_grpo.training import TrainConfig, train
 from toy_tasks import DigitTask
 
 
@@ -25,9 +27,9 @@ def test_gradient_checkpointing_same_steps_and_default_by_size(tiny, monkeypatch
     a, b = strip(runs[False].records), strip(runs[True].records)
     assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]
     for x, y in zip(a, b): assert abs(x["loss"] - y["loss"]) <= 1e-6 and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-5
-    assert not use_gradient_checkpointing(tiny[0], _cfg())                  # 0.05 M parameters: off
-    monkeypatch.setattr(training, "CHECKPOINT_ABOVE", 1000)
-    assert use_gradient_checkpointing(tiny[0], _cfg())
+    assert not wants_checkpointing(tiny[0], _cfg().gradient_checkpointing)    # 0.05 M parameters: off
+    monkeypatch.setattr(policies, "CHECKPOINT_ABOVE", 1000)
+    assert wants_checkpointing(tiny[0], _cfg().gradient_checkpointing)
 
 
 def test_beta_reference_is_the_zeroed_adapter_not_a_copy(fresh_tiny, monkeypatch):
