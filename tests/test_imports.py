@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "entropy_grpo"
-LAYERS = [("utils", "dist", "kept_sets"), ("policies", "tasks", "rb_entropy", "adapters"), ("sequence_processor",),
-          ("dr_grpo",), ("training", "delta_entropy_is", "projection_arms"), ("probes", "pools"),
+LAYERS = [("utils", "dist", "kept_sets", "report_to"), ("policies", "tasks", "rb_entropy", "adapters"),
+          ("sequence_processor",), ("dr_grpo",), ("training", "delta_entropy_is", "projection_arms"),
+          ("probes", "pools"),
           ("contributions", "decision", "trl_callback"),
           ("phase2", "reports"), ("phase2_run", "plan"), ("calibration",), ("experiments",)]
 LAYER = {m: i for i, ms in enumerate(LAYERS) for m in ms}
