@@ -166,17 +166,19 @@ def _sample_E(self:GRPOProbe, model) -> BatchedSequences:
 @patch
 def on_train_begin(self:GRPOProbe, args, state, control, model=None, **kw):
     c, tok = self.config, copy.deepcopy(self.trainer.processing_class)
-    if self.E is None: self.E = self._sample_E(model)
     self.live = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if self.adapter is not None and not {id(p) for p in self.adapter.parameters()} <= {id(p) for p in
                                                                                       self.live.values()}:
         raise ValueError("the adapter's parameters are not the trainer's trainable parameters: build it on "
                          "trainer.model (LoraAdapter.from_peft(trainer.model), WeightsAdapter(trainer.model, ...))")
-    self.sp, _ = probe_copy(SequenceProcessor(model, tok, self.generation, progress=False), None, probe_dtype(c.dtype))
-    if self.sp.model is not model: self.sp.model.eval()
-    own = dict(self.sp.model.named_parameters())
-    self.copy = {n: own[n] for n in self.live}
-    self.probe = DeltaEntropyIS(self.sp.model, self.sp.config, sequence_processor=self.sp)
+    if c.every:                                 # E and the scoring copy only when ΔH is measured at all
+        if self.E is None: self.E = self._sample_E(model)
+        self.sp, _ = probe_copy(SequenceProcessor(model, tok, self.generation, progress=False), None,
+                                probe_dtype(c.dtype))
+        if self.sp.model is not model: self.sp.model.eval()
+        own = dict(self.sp.model.named_parameters())
+        self.copy = {n: own[n] for n in self.live}
+        self.probe = DeltaEntropyIS(self.sp.model, self.sp.config, sequence_processor=self.sp)
     if c.rb_entropy and not getattr(self.trainer, "use_vllm", False):
         eos = getattr(self.trainer, "eos_token_ids", None) or tok.eos_token_id
         self.entropy_hook = GenerateEntropy(model, self.generation, eos, self._on_generation).install()
