@@ -69,8 +69,8 @@ def sampling_config(
     extra = {k: v for k, v in (trainer.args.generation_kwargs or {}).items()
              if k in ("repetition_penalty", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_k", "top_p",
                       "temperature")}
-    bad = dict(**({"repetition_penalty": rp} if rp not in (None, 1.0) else {}),
-               **({"min_p": min_p} if min_p not in (None, 0.0) else {}), **extra)
+    bad = ({"repetition_penalty": rp} if rp not in (None, 1.0) else {}) | (
+        {"min_p": min_p} if min_p not in (None, 0.0) else {}) | extra
     if bad:
         raise ValueError(f"{bad}: GRPOProbe measures the temperature → top-k → top-p distribution; these knobs of the "
                          "trainer's sampling are outside it (leave them at their defaults)")
