@@ -42,7 +42,7 @@ def batches(model, tok, top_p, a):
 
 def score_seconds(sp, E, dtype, repeats=3):
     "Median seconds of one teacher-forcing pass over E (log q, RB entropies) in the probe's copy in `dtype`."
-    from entropy_grpo.delta_entropy_is import full_precision_norms
+    from entropy_grpo.policies import full_precision_norms
     from entropy_grpo.sequence_processor import SequenceProcessor, as_batched_sequences
     E, model = as_batched_sequences(E, "E"), copy.deepcopy(sp.model).to(getattr(torch, dtype))
     if dtype == "float64": full_precision_norms(model)                  # as the probe's copy

@@ -19,7 +19,7 @@ from .utils import atomic_path
 
 # %% auto #0
 __all__ = ['STRUCTURE_KEYS', 'find_linears', 'tensor_hash', 'model_name', 'config_hash', 'clear_svd_cache', 'weight_svd',
-           'check_signature', 'Adapter', 'DeltaSAdapter', 'add_delta_s', 'LoraAdapter', 'add_lora']
+           'check_signature', 'Adapter', 'DeltaSAdapter', 'add_delta_s', 'LoraAdapter', 'add_lora', 'WeightsAdapter']
 
 # %% ../nbs/05a_adapters.ipynb #7a7ec4df
 def find_linears(
@@ -268,6 +268,7 @@ class LoraAdapter(Adapter):
     kind = "lora"
     load_keys = STRUCTURE_KEYS + ("r", "alpha")
     identity_keys = load_keys + ("init_hash",)
+    adapter_name = "default"          # the peft adapter whose layers are the coordinates
 
     def __init__(
         self,
@@ -297,13 +298,16 @@ class LoraAdapter(Adapter):
                 A.copy_((torch.rand(A.shape, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(A.shape[1]))
                 B.zero_()
         for p in self.parameters(): p.requires_grad_(True)
-        self.init_hash = _hash_strings(tensor_hash(ps["lora_A"].float()) for ps in self.module_params().values())
+        self.init_hash = self._a_hash()
+
+    def _a_hash(self) -> str:
+        return _hash_strings(tensor_hash(ps["lora_A"].float()) for ps in self.module_params().values())
 
     def module_params(self):
         out = {}
         for n in self.names:
             m = self.model.get_submodule(n)
-            out[n] = {"lora_A": m.lora_A["default"].weight, "lora_B": m.lora_B["default"].weight}
+            out[n] = {"lora_A": m.lora_A[self.adapter_name].weight, "lora_B": m.lora_B[self.adapter_name].weight}
         return out
 
     def _settings(self): return dict(r=self.r, alpha=self.alpha, init_hash=self.init_hash)
@@ -329,3 +333,46 @@ def add_lora(
 )->LoraAdapter:
     "Inject peft LoRA layers in place, freeze everything else."
     return LoraAdapter(model, target_modules, r, alpha, seed)
+
+# %% ../nbs/05a_adapters.ipynb #1460c945
+@patch(cls_method=True)
+def from_peft(
+    cls:LoraAdapter,
+    model:nn.Module,                # a peft model (or a model with peft LoRA layers injected)
+    adapter_name:str="default",     # which of its adapters
+)->LoraAdapter:
+    "The LoRA a peft model already carries, as an Adapter: its layers, r, α and A as they are."
+    from peft.tuners.lora import LoraLayer
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer) and adapter_name in m.lora_A}
+    if not layers: raise ValueError(f"adapter_name={adapter_name!r}: {type(model).__name__} has no peft LoRA layer "
+                                    "with that adapter (wrap it with peft's get_peft_model, or pass TRL a peft_config)")
+    rs, alphas = {m.r[adapter_name] for m in layers.values()}, {m.lora_alpha[adapter_name] for m in layers.values()}
+    if len(rs) > 1 or len(alphas) > 1:
+        raise ValueError(f"adapter {adapter_name!r} has ranks {sorted(rs)} and alphas {sorted(alphas)}: expected one r "
+                         "and one alpha for every module (rank_pattern / alpha_pattern are not supported)")
+    self = cls.__new__(cls)
+    self.adapter_name = adapter_name
+    Adapter.__init__(self, model, list(layers))
+    self.r, self.alpha, self.seed = rs.pop(), alphas.pop(), None
+    self.init_hash = self._a_hash()
+    return self
+
+# %% ../nbs/05a_adapters.ipynb #99ca96a6
+class WeightsAdapter(Adapter):
+    "Full fine-tuning seen per module: each targeted Linear's own weight (and bias) is its coordinate vector."
+    kind = "weights"
+
+    def __init__(
+        self,
+        model:nn.Module,
+        target_modules:str|list|tuple=("q_proj", "k_proj", "v_proj", "o_proj"),  # as in peft
+    ):
+        super().__init__(model, find_linears(model, target_modules))
+
+    def module_params(self): return {n: dict(self.model.get_submodule(n).named_parameters(recurse=False))
+                                     for n in self.names}
+
+    @contextmanager
+    def zeroed(self):
+        raise NotImplementedError("full weights have no base-policy switch: keep a frozen copy of the starting model")
+        yield

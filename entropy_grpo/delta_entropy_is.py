@@ -6,7 +6,7 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/delta_entropy_is.html.md"""
 
 # %% ../nbs/02_delta_entropy_is.ipynb #20fafd77
 from __future__ import annotations
-import copy, logging, math, random, time, types, warnings
+import copy, logging, math, random, time, warnings
 
 import numpy as np
 import torch
@@ -14,13 +14,13 @@ from torch import Tensor
 
 from .dist import all_reduce_counts, all_reduce_extreme, all_reduce_sum
 from .dr_grpo import check_length_norm, policy_gradient_backward
-from .policies import checkpointed_train_mode, wants_checkpointing
+from .policies import checkpointed_train_mode, full_precision_norms, wants_checkpointing
 from .sequence_processor import GenerationConfig, SequenceProcessor, as_batched_sequences
-from .utils import check_choice, check_range
+from .utils import base_optimizer, check_choice, check_range
 
 # %% auto #0
-__all__ = ['IMPORTANCE_DEFAULTS', 'TrainingState', 'importance_config', 'update_backward', 'probe_dtype', 'full_precision_norms',
-           'probe_copy', 'DeltaEntropyIS']
+__all__ = ['IMPORTANCE_DEFAULTS', 'TrainingState', 'importance_config', 'update_backward', 'probe_dtype', 'probe_copy',
+           'DeltaEntropyIS']
 
 # %% ../nbs/02_delta_entropy_is.ipynb #7431529c
 class TrainingState:
@@ -112,11 +112,6 @@ def _changed_rows(sup_a:Tensor|None, sup_b:Tensor|None) -> Tensor|None:
     K = max(sup_a.shape[1], sup_b.shape[1])
     return (_padded_sorted(sup_a, K) != _padded_sorted(sup_b, K)).any(-1)
 
-def _changed_positions(sup_a:Tensor|None, sup_b:Tensor|None) -> int:
-    "Number of positions whose kept sets (−1-padded index lists) differ as sets."
-    rows = _changed_rows(sup_a, sup_b)
-    return 0 if rows is None else int(rows.sum())
-
 def _intersect_support(before:Tensor, after:Tensor, rows:Tensor) -> Tensor:
     "θ⁺'s kept sets `after`, with each changed row (`rows`) cut down to the tokens also kept at θ (`before`)."
     out = after.clone()
@@ -163,27 +158,12 @@ def probe_dtype(dtype:str|torch.dtype|None="auto") -> torch.dtype:
         raise ValueError(f"dtype={dtype!r}: expected 'auto', 'float64' or 'float32'")
     return d
 
-def _rms_norm_forward(self, hidden_states:Tensor) -> Tensor:
-    "Llama-style RMSNorm in max(input dtype, float32): float64 stays float64, the rest as transformers computes it."
-    dt = hidden_states.dtype
-    h = hidden_states.to(torch.promote_types(dt, torch.float32))
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-    return self.weight * h.to(dt)
-
-def full_precision_norms(model) -> int:
-    "Llama-style RMSNorms (a `variance_epsilon` and a `weight`) of `model` compute float64 in float64; the count."
-    n = 0
-    for m in model.modules():
-        if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and hasattr(m, "weight"):
-            m.forward = types.MethodType(_rms_norm_forward, m); n += 1
-    return n
-
 def probe_copy(
     sp:SequenceProcessor,             # scores the run's model
-    optimizer:torch.optim.Optimizer,  # steps its parameters
+    optimizer:torch.optim.Optimizer|None,  # steps its parameters (or a wrapper holding it); None: no optimizer copy
     dtype:torch.dtype,
     checkpointing:bool|str|None="auto",  # the copy's gradient checkpointing; "auto": above CHECKPOINT_ABOVE parameters
-)->tuple[SequenceProcessor, torch.optim.Optimizer]:  # the same pair (norms made float64) when already in `dtype`
+)->tuple[SequenceProcessor, torch.optim.Optimizer|None]:  # the same pair (norms made float64) when already in `dtype`
     "A copy of the model in `dtype` with its own SequenceProcessor and an optimizer of the same kind, state cast."
     if all(p.dtype == dtype for p in sp.model.parameters() if p.is_floating_point()):
         if dtype == torch.float64: full_precision_norms(sp.model)
@@ -191,7 +171,9 @@ def probe_copy(
     model = copy.deepcopy(sp.model).to(dtype)
     if dtype == torch.float64: full_precision_norms(model)
     if wants_checkpointing(model, checkpointing): checkpointed_train_mode(model)
-    name = {id(p): n for n, p in sp.model.named_parameters()}
+    psp = SequenceProcessor(model, sp.tokenizer, sp.config, progress=sp.progress)
+    if optimizer is None: return psp, None
+    optimizer, name = base_optimizer(optimizer), {id(p): n for n, p in sp.model.named_parameters()}
     new = dict(model.named_parameters())
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [new[name[id(p)]] for p in g["params"]]}
               for g in optimizer.param_groups]
@@ -200,7 +182,7 @@ def probe_copy(
     kept = {id(t) for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)}
     for s in opt.state.values():                                     # Adam's `step` arrives uncast: the same tensor,
         s.update({k: v.clone() for k, v in s.items() if id(v) in kept})   # which a probe step would advance in place
-    return SequenceProcessor(model, sp.tokenizer, sp.config, progress=sp.progress), opt
+    return psp, opt
 
 @torch.no_grad()
 def _ulp_steps(params:list, seed:int, undo:bool=False):
@@ -212,6 +194,10 @@ def _ulp_steps(params:list, seed:int, undo:bool=False):
         p.copy_(torch.nextafter(p, torch.where(up != undo, inf, -inf)))
 
 # %% ../nbs/02_delta_entropy_is.ipynb #f4d4a3a5
+_NAN_KEYS = ("H_upd", "deltaH_true", "H_upd_fixed_support", "deltaH_true_fixed_support", "deltaH_support_change",
+             "deltaH_true_se", "deltaH_true_fixed_support_se", "ess", "ess_frac", "coverage", "coverage_se", "logw_max",
+             "logw_min", "logw_mean", "sum_weights", "frac_tokens_left_support")   # NaN when on_nonfinite="nan"
+
 class DeltaEntropyIS:
     "True one-step entropy change of the sampling distribution: real step on U, SNIS re-scoring of E, exact restore."
     def __init__(self, model, config:GenerationConfig, logger=None, sequence_processor:SequenceProcessor|None=None,
@@ -227,6 +213,13 @@ class DeltaEntropyIS:
         if tok is None: raise ValueError("DeltaEntropyIS needs sequence_processor= or tokenizer= to score sequences")
         self._sp = SequenceProcessor(self.model, tok, self.config)
         return self._sp
+
+    def _check_precision(self):
+        low = sorted({str(p.dtype) for p in self.model.parameters() if p.dtype in (torch.bfloat16, torch.float16)})
+        if low:   # a GPU loads models in bf16: a direct call would return rounding as ΔH
+            raise ValueError(f"the model has {', '.join(low).replace('torch.', '')} parameters: the entropy probe "
+                             "refuses to measure a step of relative size 1e-5 below that resolution; score a float64 "
+                             "copy (probe_copy(sp, optimizer, torch.float64), as run_mixed_probe does) or float32")
 
     def _log(self, msg, *args):
         (self.logger.info if hasattr(self.logger, "info") else self.logger)(msg % args if args else msg)
@@ -258,12 +251,7 @@ class DeltaEntropyIS:
         check_choice("on_nonfinite", on_nonfinite, ("raise", "nan"))
         lrs = list(lrs)
         if not lrs: raise ValueError("lrs=[]: expected at least one learning rate")
-        low = sorted({str(p.dtype) for p in self.model.parameters() if p.dtype in (torch.bfloat16, torch.float16)})
-        if low:   # a GPU loads models in bf16: a direct call would return rounding as ΔH
-            raise ValueError(f"the model has {', '.join(low).replace('torch.', '')} parameters: the entropy probe "
-                             "refuses to measure a step of relative size 1e-5 below that resolution; score a float64 "
-                             "copy (probe_copy(sp, optimizer, torch.float64), as run_mixed_probe does) or a float32 "
-                             "model")
+        self._check_precision()
         for lr in lrs:
             if lr is not None: check_range("lr", lr, 0)
         E = as_batched_sequences(E_batch, "E_batch")
@@ -300,8 +288,7 @@ class DeltaEntropyIS:
     def _measure(self, E, U_batch, optimizer, cfg, lrs, notes, timings, state, on_nonfinite) -> list[dict]:
         "Score E at θ, the U gradient, then per lr: step, score E at θ⁺ (own and θ's kept sets), combine, restore."
         sp, t = self.sequence_processor(), time.perf_counter()
-        growth = cfg["support_growth"]
-        before = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], return_support=True, per_token=growth)
+        before = self.score(E, cfg)
         timings["score_theta"], t = time.perf_counter() - t, time.perf_counter()
         params = [p for g in optimizer.param_groups for p in g["params"]]
         upd = update_backward(sp, U_batch, params, cfg)
@@ -316,7 +303,7 @@ class DeltaEntropyIS:
             for g, l in zip(optimizer.param_groups, lr0): g["lr"] = l if lr is None else lr
             optimizer.step()
             t = time.perf_counter()
-            out = self._after_step(sp, E, before, cfg, list(notes), on_nonfinite)
+            out = self.change(E, before, cfg, on_nonfinite, notes)
             timings["score_theta_plus"] += time.perf_counter() - t
             delta = {names[p]: p.detach() - state.tensors[names[p]] for p in params if names.get(p) in state.tensors}
             out.update(lr=lr0[0] if lr is None else lr, update_loss=upd["loss"], n_U_tokens=upd["n_tokens"],
@@ -326,8 +313,17 @@ class DeltaEntropyIS:
             outs.append(out)
         return outs
 
-    def _after_step(self, sp, E, before, cfg, notes, on_nonfinite) -> dict:
-        "Score E at θ⁺ (own kept sets, θ's kept sets, and their intersection when sets changed) and combine."
+    def score(self, E_batch, cfg_importance:dict|None=None) -> dict:
+        "θ's half of ΔH_true: E scored now (log q, entropy sums, kept sets); give it to `change` after a step."
+        cfg = importance_config(cfg_importance); self._check_precision()
+        return _score_E(self.sequence_processor(), as_batched_sequences(E_batch, "E_batch"), cfg["entropy_mode"],
+                        cfg["weights"], return_support=True, per_token=cfg["support_growth"])
+
+    def change(self, E_batch, before:dict, cfg_importance:dict|None=None, on_nonfinite:str="raise",
+               notes:list|None=None) -> dict:
+        "ΔH_true of whatever moved θ since `score` gave `before`: E at θ⁺ (own, θ's and shared kept sets), SNIS."
+        cfg, sp, E = importance_config(cfg_importance), self.sequence_processor(), as_batched_sequences(E_batch, "E")
+        notes = list(notes or []); check_choice("on_nonfinite", on_nonfinite, ("raise", "nan"))
         after = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], return_support=True,
                          per_token=cfg["support_growth"])
         truncated = before["support"] is not None
@@ -337,13 +333,9 @@ class DeltaEntropyIS:
         try: out = self._combine(before, after, fixed, cfg, notes)
         except FloatingPointError as e:
             if on_nonfinite == "raise": raise
-            nan = float("nan")
-            out = dict(H_orig=float(before["S"].mean()), H_upd=nan, deltaH_true=nan, H_upd_fixed_support=nan,
-                       deltaH_true_fixed_support=nan, deltaH_support_change=nan, deltaH_true_se=nan,
-                       deltaH_true_fixed_support_se=nan, ess=nan, ess_frac=nan, n_E=int(before["S"].numel()),
-                       coverage=nan, coverage_se=nan, logw_max=nan, logw_min=nan, logw_mean=nan, sum_weights=nan,
-                       n_zero_weight_sequences=int((after["out"] & ~before["out"]).any(-1).sum()),
-                       frac_tokens_left_support=nan, n_tokens_outside_support_at_theta=int(before["out"].sum()),
+            out = dict(dict.fromkeys(_NAN_KEYS, float("nan")), H_orig=float(before["S"].mean()),
+                       n_E=int(before["S"].numel()), n_zero_weight_sequences=int((after["out"] & ~before["out"]).any(
+                           -1).sum()), n_tokens_outside_support_at_theta=int(before["out"].sum()),
                        entropy_mode=cfg["entropy_mode"], weights=cfg["weights"], notes=notes + [str(e)])
         out.update(growth, n_support_changed_positions=0 if changed is None else int(changed.sum()))
         return all_reduce_counts(out, ["n_support_changed_positions"])

@@ -6,18 +6,19 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/policies.html.md"""
 
 # %% ../nbs/00a_policies.ipynb #14179964
 from __future__ import annotations
-import importlib.util, logging, os, random
+import importlib.util, logging, os, random, types
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from .utils import atomic_path, check_choice
 
 # %% auto #0
 __all__ = ['log', 'DEFAULT_POLICY', 'DEFAULT_GGUF', 'SMOLLM2_INSTALL', 'CHECKPOINT_ABOVE', 'TINY_EOS', 'TINY_PAD',
            'default_device', 'resolve_dtype', 'wants_checkpointing', 'set_checkpointing', 'checkpointed_train_mode',
-           'prepare_tokenizer', 'cache_dir', 'smollm2_gguf_path', 'convert_default_policy', 'load_policy',
-           'tiny_tokenizer', 'tiny_policy', 'policy_by_name']
+           'full_precision_norms', 'prepare_tokenizer', 'cache_dir', 'smollm2_gguf_path', 'convert_default_policy',
+           'load_policy', 'tiny_tokenizer', 'tiny_policy', 'policy_by_name']
 
 # %% ../nbs/00a_policies.ipynb #02453bff
 log = logging.getLogger(__name__)
@@ -67,6 +68,21 @@ def checkpointed_train_mode(model):
         if isinstance(m, torch.nn.Dropout): m.p = 0.0
         if isinstance(getattr(m, "attention_dropout", None), float): m.attention_dropout = 0.0
     return model.train()
+
+def _rms_norm_forward(self, hidden_states:Tensor) -> Tensor:
+    "Llama-style RMSNorm in max(input dtype, float32): float64 stays float64, the rest as transformers computes it."
+    dt = hidden_states.dtype
+    h = hidden_states.to(torch.promote_types(dt, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * h.to(dt)
+
+def full_precision_norms(model) -> int:
+    "Llama-style RMSNorms (a `variance_epsilon` and a `weight`) of `model` compute float64 in float64; the count."
+    n = 0
+    for m in model.modules():
+        if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and hasattr(m, "weight"):
+            m.forward = types.MethodType(_rms_norm_forward, m); n += 1
+    return n
 
 # %% ../nbs/00a_policies.ipynb #42d217e6
 def prepare_tokenizer(tokenizer):

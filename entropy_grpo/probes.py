@@ -20,7 +20,7 @@ from .dr_grpo import group_advantages, policy_gradient_backward
 from .sequence_processor import (GenerationConfig, LogprobResults, SequenceProcessor, as_batched_sequences,
                                              make_probe_batch)
 from .training import TrainConfig
-from .utils import check_choice, check_range, markdown_table
+from .utils import base_optimizer, check_choice, check_range, markdown_table
 
 # %% auto #0
 __all__ = ['E_SAMPLING_MODES', 'GRAD_H_ESTIMATORS', 'PROBE_COLUMNS', 'BatchConfig', 'ProbeComponents', 'optimizer_delta',
@@ -95,12 +95,12 @@ class ProbeComponents:
 # %% ../nbs/04_probes.ipynb #dbe16750
 @torch.no_grad()
 def optimizer_delta(
-    optimizer:torch.optim.Optimizer,
+    optimizer:torch.optim.Optimizer,  # or a wrapper holding it (accelerate's, as a Trainer's callbacks get it)
     lr:float|None=None,         # override every group's learning rate
     grads:dict|None=None,       # {param: gradient} to use instead of .grad (a counterfactual step)
 )->dict:                        # {param: Δθ}
     "{param: Δθ} that optimizer.step() would apply with the gradients now in .grad (or `grads`)."
-    out = {}
+    out, optimizer = {}, base_optimizer(optimizer)
     for group in optimizer.param_groups:
         lr_g = float(group["lr"] if lr is None else lr)
         wd = group.get("weight_decay", 0.0)
@@ -294,7 +294,7 @@ def first_order_delta_entropy(
 # %% ../nbs/04_probes.ipynb #7f49d3e7
 def _check_training_optimizer(opt:torch.optim.Optimizer, c:TrainConfig):
     "The optimizer `train` builds for config `c`: AdamW with its betas, eps and weight decay."
-    g = opt.param_groups[0]
+    g, opt = opt.param_groups[0], base_optimizer(opt)
     got = (type(opt).__name__, tuple(g.get("betas", ())), g.get("eps"), g.get("weight_decay"))
     want = ("AdamW", (c.adam_beta1, c.adam_beta2), c.adam_epsilon, c.weight_decay)
     if got != want:

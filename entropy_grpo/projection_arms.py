@@ -23,7 +23,7 @@ from .utils import atomic_path, check_choice
 __all__ = ['V_HACK_LOSSES', 'V_HACK_SOURCES', 'GATES', 'COS_KEYS', 'NULL_KEYS', 'ARMS', 'ARM_ADAPTER', 'pair_sequences',
            'planted_pairs', 'pool_pairs', 'pair_losses', 'pair_loss_difference', 'completion_gradients',
            'pair_gradient_differences', 'permuted_differences', 'VHack', 'v_hack_from_differences', 'extract_v_hack',
-           'random_v_hack', 'alignment_stats', 'project_grad', 'ProjectionArm']
+           'random_v_hack', 'alignment_stats', 'project_grad', 'arm_step', 'ProjectionArm']
 
 # %% ../nbs/05_projection_arms.ipynb #8c55a0da
 def pair_sequences(
@@ -330,6 +330,23 @@ def project_grad(
                   **{k: st_in[k] for k in NULL_KEYS})
     return out, stats
 
+# %% ../nbs/05_projection_arms.ipynb #8746b8bd
+def arm_step(
+    grads:dict[str, Tensor],    # {module: gradient (any shape, N_m elements)}
+    V:dict[str, Tensor]|VHack,  # {module: [k, N_m]} orthonormal rows, or a VHack
+    project:bool=False,         # False: measure only
+    gate:str="one_sided",
+    overshoot:float=1.0,
+)->tuple[dict, dict]:           # (the grads to apply, stats: COS_KEYS _in/_out, frac_fired, NULL_KEYS)
+    "Alignment of a per-module gradient with v_hack and, when `project`, its projection (`project_grad`)."
+    V = V.V if isinstance(V, VHack) else V
+    if not project:
+        st = alignment_stats(grads, V)
+        s = {f"{k}_{io}": st[k] for k in COS_KEYS for io in ("in", "out")}
+        return grads, dict(s, frac_fired=0.0, **{k: st[k] for k in NULL_KEYS})
+    new, st = project_grad(grads, V, gate, overshoot)
+    return new, {k: v for k, v in st.items() if k not in ("c_in", "c_out")}
+
 # %% ../nbs/05_projection_arms.ipynb #d2e20247
 ARMS = ("vanilla", "projected", "vanilla_lora", "projected_lora")
 ARM_ADAPTER = dict(vanilla="delta_s", projected="delta_s", vanilla_lora="lora", projected_lora="lora")
@@ -359,13 +376,7 @@ class ProjectionArm:
 
     def _project(self, grads:dict) -> tuple[dict, dict]:
         "Per-module grads -> (grads this arm applies, scalar stats)."
-        if not self.projects:
-            st = alignment_stats(grads, self.v_hack.V)
-            s = {f"{k}_{io}": st[k] for k in COS_KEYS for io in ("in", "out")}
-            s.update(frac_fired=0.0, **{k: st[k] for k in NULL_KEYS})
-            return grads, s
-        new, st = project_grad(grads, self.v_hack.V, self.gate, self.overshoot)
-        return new, {k: v for k, v in st.items() if k not in ("c_in", "c_out")}
+        return arm_step(grads, self.v_hack.V, self.projects, self.gate, self.overshoot)
 
     def project(self, param_grads:dict[str, Tensor]) -> tuple[dict, dict]:
         "{parameter name: grad} -> (the grads this arm applies, same keys and shapes; stats)."

@@ -15,6 +15,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from .dist import all_reduce_sum, rank, shard_slice, world_size
+from .report_to import Reporter, report_names
 from .dr_grpo import SCALE_REWARDS, _eps_pair, check_length_norm, group_advantages, policy_gradient_backward
 from .policies import set_checkpointing, wants_checkpointing
 from .sequence_processor import BatchedSequences, GenerationConfig, LogprobResults, SequenceProcessor
@@ -57,6 +58,7 @@ class TrainConfig:
     checkpoint_every:int=0           # save every k steps and after the last; 0 = after the last only (needs out_dir)
     seed:int=0                       # prompt order, LoRA init, per-(step, rank) sampling seed
     arm:str="vanilla"                # name written into every log record (projection arms: "projected", …)
+    report_to:str|list="none"        # also send each record there, as transformers does: "tensorboard", "wandb", "all"
     generation:GenerationConfig=field(default_factory=GenerationConfig)  # sampling knobs (a dict is converted)
 
     def __post_init__(self):
@@ -75,13 +77,12 @@ class TrainConfig:
                          ("checkpoint_every", 0), ("seed", 0), ("lora_r", 1), ("prompts_per_microbatch", 1)):
             if getattr(self, name) is not None: check_range(name, getattr(self, name), lo, integer=True)
         for name, lo, hi, lo_open in (("lr", 0, None, True), ("weight_decay", 0, None, False),
-                                      ("adam_beta1", 0, 1, False),
-                                      ("adam_beta2", 0, 1, False), ("adam_epsilon", 0, None, True),
-                                      ("beta", 0, None, False),
+                                      ("adam_beta1", 0, 1, False), ("adam_beta2", 0, 1, False),
+                                      ("adam_epsilon", 0, None, True), ("beta", 0, None, False),
                                       ("lora_alpha", 0, None, True), ("lora_dropout", 0, 1, False)):
             check_range(name, getattr(self, name), lo, hi, lo_open=lo_open, hi_open=hi == 1)
         if self.max_grad_norm is not None: check_range("max_grad_norm", self.max_grad_norm, 0, lo_open=True)
-        _eps_pair(self.clip_eps)
+        _eps_pair(self.clip_eps); report_names(self.report_to)
         check_choice("lr_scheduler", self.lr_scheduler, SCHEDULERS)
         check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
         check_choice("gradient_checkpointing", self.gradient_checkpointing, (None, "auto", True, False))
@@ -229,9 +230,7 @@ class TrainResult:
     checkpoint:Path|None               # the last checkpoint written (or resumed from)
 
 def _callbacks(callbacks, name, *args):
-    for cb in callbacks:
-        f = getattr(cb, name, None)
-        if f is not None: f(*args)
+    for cb in callbacks: getattr(cb, name, lambda *a: None)(*args)
 
 # %% ../nbs/03a_training.ipynb #c42974bf
 @dataclass
@@ -281,9 +280,10 @@ def _setup(model, tokenizer, cfg:TrainConfig, resume_from, out:Path|None, refere
 
 # %% ../nbs/03a_training.ipynb #f044f4d0
 def _check_resume(state:dict, cfg:TrainConfig, path):
-    "The saved config must be this one, except `steps` and `checkpoint_every`."
+    "The saved config must be this one, except `steps`, `checkpoint_every` and `report_to`."
     old, new = TrainConfig(**state["config"]).to_dict(), cfg.to_dict()
-    diff = sorted(k for k in set(old) | set(new) if k not in ("steps", "checkpoint_every") and old.get(k) != new.get(k))
+    diff = sorted(k for k in set(old) | set(new)
+                  if k not in ("steps", "checkpoint_every", "report_to") and old.get(k) != new.get(k))
     if diff:
         raise ValueError(f"{path} was written with another config: "
                          f"{', '.join(f'{k}={old.get(k)!r} (now {new.get(k)!r})' for k in diff)}")
@@ -296,8 +296,7 @@ def _check_resume(state:dict, cfg:TrainConfig, path):
 
 def _prepare_out_dir(out:Path, cfg:TrainConfig, start:int, fresh_ok:bool=False):
     "config.json, and log.jsonl cut to the steps before `start`, atomically (fresh: refuses a log unless fresh_ok)."
-    out.mkdir(parents=True, exist_ok=True)
-    logf = out/"log.jsonl"
+    out.mkdir(parents=True, exist_ok=True); logf = out/"log.jsonl"
     if start == 0 and not fresh_ok and logf.exists() and logf.stat().st_size:
         raise ValueError(f"{logf} exists: pass resume_from='latest' to continue that run, or a new out_dir")
     _write_log(logf, [r for r in _read_log(logf) if r["step"] < start])
@@ -393,7 +392,7 @@ def train(
     task=None,                       # Task for the default GenerationSource (ignored when `source` is given)
     config:TrainConfig|None=None,
     out_dir:str|Path|None=None,      # config.json, log.jsonl, checkpoints/; None = nothing written
-    callbacks:list=(),               # objects with on_after_backward(ctx) and/or on_step_end(ctx, record)
+    callbacks:list=(),               # objects with on_after_backward(ctx), on_step_end(ctx, record), on_train_end(ctx)
     resume_from:str|Path|None=None,  # a checkpoint folder of this run, or "latest": out_dir's newest, if any
     progress:bool|None=None,         # tqdm bar on rank 0 (throttled); None = only on a terminal
     source=None,                     # source(step, sp, config, seed) -> Rollout; default GenerationSource(task)
@@ -412,6 +411,7 @@ def train(
     source = source if source is not None else GenerationSource(task)
     out = Path(out_dir) if out_dir is not None else None
     run = _setup(model, tokenizer, cfg, resume_from, out, reference)
+    callbacks = [*callbacks, Reporter(cfg.report_to if rank() == 0 else "none", out, run.model, cfg.arm)]
     ctx, records = StepContext(run.model, run.opt, run.sched, run.sp, cfg), []
     bar = tqdm(range(run.start, cfg.steps), initial=run.start, total=cfg.steps, desc=f"train {cfg.arm}", mininterval=10,
                disable=True if rank() else tqdm_disable(progress))
@@ -442,4 +442,5 @@ def train(
             records.append(rec)
             bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", loss=f"{rec['loss']:.4f}", H=f"{rec['entropy_rb']:.3f}",
                             refresh=False)
+    _callbacks(callbacks, "on_train_end", ctx)
     return TrainResult(run.model, run.opt, run.sched, records, run.last_ckpt)

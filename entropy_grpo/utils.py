@@ -15,7 +15,7 @@ from torch import Tensor
 
 # %% auto #0
 __all__ = ['check_range', 'check_choice', 'atomic_path', 'json_default', 'clean_json', 'write_json', 'save_figure', 'welch',
-           'row_cosines', 'markdown_table', 'tqdm_disable']
+           'row_cosines', 'markdown_table', 'tqdm_disable', 'base_optimizer']
 
 # %% ../nbs/00c_utils.ipynb #ebe88024
 def check_range(
@@ -132,3 +132,9 @@ def markdown_table(rows:list, cols:list|None=None, fmt:str="{:.4g}") -> str:
 def tqdm_disable(progress:bool|None) -> bool|None:
     "tqdm's `disable` for a `progress` flag: None hides the bar when not on a terminal."
     return None if progress is None else not progress
+
+# %% ../nbs/00c_utils.ipynb #a070b32f
+def base_optimizer(optimizer:torch.optim.Optimizer) -> torch.optim.Optimizer:
+    "The torch optimizer under wrappers that hold it as `.optimizer` (accelerate's AcceleratedOptimizer); else itself."
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer): optimizer = optimizer.optimizer
+    return optimizer

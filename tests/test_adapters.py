@@ -160,3 +160,25 @@ def test_lora_weights_are_float32_on_a_bf16_model_and_one_step_moves_them():
     out.float().logsumexp(-1).mean().backward(); opt.step()
     changed = sum(int((ps["lora_A"] != a).sum()) for ps, a in zip(la.module_params().values(), A0))
     assert changed >= 0.95 * sum(a.numel() for a in A0), (changed, sum(a.numel() for a in A0))
+
+
+def test_lora_from_peft_and_weights_adapter_are_the_runs_own_coordinates(tiny):
+    "A user's peft LoRA and full weights as Adapters: same parameter objects, gradients in and out unchanged."
+    from peft import LoraConfig, get_peft_model
+    from entropy_grpo.adapters import LoraAdapter, WeightsAdapter
+    pm = get_peft_model(copy.deepcopy(tiny[0]), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    own = LoraAdapter.from_peft(pm)
+    assert [id(p) for p in own.parameters()] == [id(p) for p in pm.parameters() if p.requires_grad]
+    assert (own.r, own.alpha, own.kind) == (4, 8, "lora") and len(own.names) == 4
+    assert own.signature()["init_hash"] == own.init_hash
+    test_fail(lambda: LoraAdapter.from_peft(tiny[0]), contains="no peft LoRA layer")
+    model, tok = copy.deepcopy(tiny)
+    wa = WeightsAdapter(model, ["q_proj", "o_proj"])
+    assert wa.dims == {n: model.get_submodule(n).weight.numel() for n in wa.names}
+    x, am = batch(tok)
+    model(x, attention_mask=am).logits.logsumexp(-1).mean().backward()
+    flat = wa.flat_grads()
+    wa.set_flat_grads({n: 2 * g for n, g in flat.items()})
+    assert all(torch.equal(model.get_submodule(n).weight.grad, 2 * flat[n].view_as(model.get_submodule(n).weight))
+               for n in wa.names)
+    test_fail(lambda: wa.zeroed().__enter__(), contains="no base-policy switch", exc=NotImplementedError)

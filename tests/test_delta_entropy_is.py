@@ -271,3 +271,17 @@ def test_noise_floor_copies_no_parameters_and_restores_them(tiny64, monkeypatch)
     assert out["floor"] > 0 and len(out["diffs"]) == 2
     assert sum(cloned) < sum(p.numel() for p in model.parameters()) / 10, sum(cloned)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_score_then_change_around_a_step_taken_elsewhere_equals_entropy_change(tiny64):
+    "The two halves (`score` before someone else's step, `change` after it) give entropy_change's numbers exactly."
+    model, sp, E, U, opt = make_probe(tiny64)
+    probe = DeltaEntropyIS(model, sp.config, sequence_processor=sp)
+    ref = probe.entropy_change(E, U, opt)
+    before = probe.score(E)
+    train_step(sp, U, opt)                     # the step the probe takes (max_grad_norm None), taken by the caller
+    got = probe.change(E, before)
+    for k in ("H_orig", "H_upd", "deltaH_true", "deltaH_true_fixed_support", "deltaH_support_change", "ess",
+              "coverage", "n_support_changed_positions", "support_new_mass_per_sequence"):
+        assert got[k] == ref[k], (k, got[k], ref[k])
+    test_fail(lambda: probe.change(E, before, on_nonfinite="skip"), contains="on_nonfinite='skip'")

@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "entropy_grpo"
-LAYERS = [("utils", "dist", "kept_sets"), ("policies", "tasks", "rb_entropy", "adapters"), ("sequence_processor",),
-          ("dr_grpo",), ("training", "delta_entropy_is", "projection_arms"), ("probes", "pools"),
-          ("contributions", "decision"),
+LAYERS = [("utils", "dist", "kept_sets", "report_to"), ("policies", "tasks", "rb_entropy", "adapters"),
+          ("sequence_processor",), ("dr_grpo",), ("training", "delta_entropy_is", "projection_arms"),
+          ("probes", "pools"),
+          ("contributions", "decision", "trl_callback"),
           ("phase2", "reports"), ("phase2_run",), ("calibration", "plan"), ("experiments",)]
 LAYER = {m: i for i, ms in enumerate(LAYERS) for m in ms}
 MODULES = sorted(p.stem for p in PKG.glob("*.py") if not p.stem.startswith("_"))
@@ -37,3 +38,9 @@ def test_modules_and_functions_stay_small(module):
     long = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(ast.parse(src))
             if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 62]
     assert not long, f"{module}: functions over 62 lines: {long}"
+
+
+def test_trl_stays_optional():
+    "No module imports trl at module level: the package, trl_callback included, imports without it."
+    for m in MODULES:
+        assert not re.search(r"^(import trl|from trl\b)", (PKG / f"{m}.py").read_text(), re.M), m

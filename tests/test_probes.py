@@ -115,3 +115,18 @@ def test_unsupported_optimizer_is_named(tiny64):
         optimizer_delta(torch.optim.RMSprop(model.parameters()))
     with pytest.raises(ValueError, match="estimator='exact'"):
         entropy_gradient(pc.sp, pc.sample_E_batch_with_replacement(), "exact")
+
+
+def test_a_wrapped_optimizer_gives_the_same_delta_theta(tiny64):
+    "accelerate's AcceleratedOptimizer (what a Trainer's callbacks get) is read through to the torch optimizer."
+    from accelerate import Accelerator
+    pc = probe_components(tiny64)
+    model = pc.sp.model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    for p in model.parameters(): p.grad = torch.randn_like(p)
+    opt.step()
+    wrapped = Accelerator(cpu=True).prepare_optimizer(opt)
+    assert type(wrapped).__name__ == "AcceleratedOptimizer"
+    a, b = optimizer_delta(wrapped), optimizer_delta(opt)
+    assert a.keys() == b.keys() and all(torch.equal(a[p], b[p]) for p in a)
+    for p in model.parameters(): p.grad = None

@@ -14,7 +14,7 @@ from entropy_grpo.adapters import add_delta_s, add_lora
 from entropy_grpo.dr_grpo import group_advantages, policy_gradient_backward
 from entropy_grpo.policies import tiny_policy
 from entropy_grpo.pools import Pool
-from entropy_grpo.projection_arms import (ProjectionArm, VHack, alignment_stats, extract_v_hack,
+from entropy_grpo.projection_arms import (ProjectionArm, VHack, alignment_stats, arm_step, extract_v_hack,
                                           pair_gradient_differences, pair_sequences, planted_pairs, pool_pairs,
                                           project_grad, random_v_hack)
 from entropy_grpo.sequence_processor import GenerationConfig
@@ -337,3 +337,12 @@ def test_pool_pairs_matches_hacked_teacher_to_clean_base_samples_of_the_same_pro
     none = Pool("base", tmp_path, {0: [rec("c", False, [8])]})
     with pytest.raises(ValueError, match="no \\(hack, clean\\) pair: teacher pool 'teacher' has 4 hacked samples"):
         pool_pairs(teacher, none, tok)
+
+
+def test_arm_step_measures_or_projects_as_project_grad_does():
+    V, g = {"a": torch.eye(4)[:2]}, {"a": torch.tensor([1.0, -2.0, 3.0, 4.0])}
+    same, st = arm_step(g, V)
+    assert same is g and st["cos_in"] == st["cos_out"] and st["frac_fired"] == 0.0
+    new, st_p = arm_step(g, V, project=True)
+    ref, st_ref = project_grad(g, V)
+    assert torch.equal(new["a"], ref["a"]) and st_p["cos_out"] == st_ref["cos_out"] and "c_in" not in st_p

@@ -131,3 +131,21 @@ def test_two_processes_reduce_gradients_and_means(fresh_tiny64, tmp_path):
     assert rec["reward_mean"] == pytest.approx(float(rewards.double().mean()), rel=1e-12)
     assert rec["reward_std"] == pytest.approx(float(rewards.double().std()), rel=1e-9)
     assert rec["n_completions"] == 32 and fin[1]["records"][0]["reward_mean"] == rec["reward_mean"]
+
+
+def test_report_to_tensorboard_gets_every_records_numbers(fresh_tiny, tmp_path):
+    "train(report_to='tensorboard') writes each record's numbers as train/<field> at step + 1, offline."
+    pytest.importorskip("tensorboard")
+    from fastcore.test import test_fail
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    res = train(*fresh_tiny, DigitTask(64), _cfg(steps=2, report_to="tensorboard"), out_dir=tmp_path, progress=False)
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1
+    acc = EventAccumulator(str(runs[0])).Reload()
+    for key in ("reward_mean", "loss", "entropy_rb", "grad_norm"):
+        got = [(e.step, e.value) for e in acc.Scalars(f"train/{key}")]
+        assert got == [(r["step"] + 1, pytest.approx(r[key], rel=1e-6)) for r in res.records], key
+    assert "train/arm" not in acc.Tags()["scalars"]
+    test_fail(lambda: TrainConfig(report_to=["tensorboard", 3]), contains="report_to=['tensorboard', 3]")
+    test_fail(lambda: train(*fresh_tiny, DigitTask(64), _cfg(steps=1, report_to="tensorboard"), progress=False),
+              contains="needs an out_dir")

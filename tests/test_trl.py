@@ -1,0 +1,184 @@
+"""trl_callback inside a real TRL GRPOTrainer (tiny policy, CPU, 3 steps): the logged ΔH_true equals DeltaEntropyIS on
+the same E between the recorded θ and θ⁺ (float64, 1e-9), ΔH₁ equals ⟨∇H(E), θ⁺ − θ⟩, the projected gradient is
+project_grad of TRL's clipped one, optimizer_delta reads accelerate's optimizer, the metrics reach the log history
+(and a tensorboard event file), and entropy_rb equals the teacher-forced RB entropy of the completions generated."""
+import copy, math
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+from datasets import Dataset
+from fastcore.test import test_fail
+from peft import LoraConfig
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from entropy_grpo.adapters import LoraAdapter, WeightsAdapter
+from entropy_grpo.delta_entropy_is import DeltaEntropyIS
+from entropy_grpo.policies import full_precision_norms
+from entropy_grpo.probes import entropy_gradient, optimizer_delta
+from entropy_grpo.projection_arms import alignment_stats, project_grad, random_v_hack
+from entropy_grpo.sequence_processor import BatchedSequences, SequenceProcessor, make_probe_batch
+from entropy_grpo.trl_callback import GRPOProbe, add_grpo_probe, sampling_config
+
+PROMPTS = [f"Question: What is {a} + {b}? Answer:" for a, b in [(3, 4), (12, 7), (25, 9), (6, 6)]]
+P = "entropy_grpo/"
+
+
+def reward(completions, **kw):
+    "0.5 per digit, −0.05 per character: spread within every group."
+    return [0.5 * sum(ch.isdigit() for ch in c) - 0.05 * len(c) for c in completions]
+
+
+def grpo_trainer(policy, out, peft=True, **kw):
+    "A GRPOTrainer on a copy of `policy`: 4 prompts × G 4 per step, 8 tokens, top_p 0.9, lr 2e-3, 3 steps, CPU."
+    model, tok = copy.deepcopy(policy)
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                      max_steps=3, learning_rate=2e-3, temperature=1.0, top_p=0.9, use_cpu=True, logging_steps=1,
+                      save_strategy="no", seed=0, disable_tqdm=True, **{"report_to": "none", **kw})
+    return GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok,
+                       train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+                       peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if peft else None)
+
+
+class Recorder(TrainerCallback):
+    "Per optimizer step: θ and .grad when the optimizer is about to step, optimizer_delta's Δθ, θ⁺ at the step's end."
+    def __init__(self): self.steps = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
+        ps, rebuilt = {n: p for n, p in model.named_parameters() if p.requires_grad}, optimizer_delta(optimizer)
+        self.steps.append(dict(step=state.global_step + 1, theta={n: p.detach().clone() for n, p in ps.items()},
+                               grads={n: p.grad.detach().clone() for n, p in ps.items()},
+                               delta_rebuilt={n: rebuilt[p] for n, p in ps.items()}))
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        self.steps[-1]["theta_plus"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+class Stepped(Recorder):
+    "The same record, taken after the probe's callback: the gradient the optimizer actually steps."
+
+
+class Jump(torch.optim.Optimizer):
+    "An optimizer whose step sets its parameters to given values: the step TRL took, replayed in DeltaEntropyIS."
+    def __init__(self, params, target):
+        super().__init__(list(params), dict(lr=0.0))
+        self.target = target
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p, t in zip(self.param_groups[0]["params"], self.target): p.copy_(t)
+
+
+def reference(trainer, E, steps):
+    "Per recorded step, from θ and θ⁺ alone: DeltaEntropyIS.entropy_change on E and ⟨∇H(E), θ⁺ − θ⟩, in float64."
+    model = copy.deepcopy(trainer.model).to(torch.float64).eval()
+    full_precision_norms(model)
+    sp = SequenceProcessor(model, copy.deepcopy(trainer.processing_class), sampling_config(trainer))
+    names = list(steps[0]["theta"])
+    params = [dict(model.named_parameters())[n] for n in names]
+    zeros = torch.zeros(E.shape[:2])
+    U = make_probe_batch(E, zeros, zeros)           # the update is Jump's: U's gradient is computed and ignored
+    out = []
+    for s in steps:
+        with torch.no_grad():
+            for p, n in zip(params, names): p.copy_(s["theta"][n])
+        dH = DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change(
+            E, U, Jump(params, [s["theta_plus"][n].double() for n in names]))
+        gH, _ = entropy_gradient(sp, E, "snis", params)
+        dH1 = sum(float((g * (s["theta_plus"][n].double() - s["theta"][n].double())).sum()) for g, n in zip(gH, names))
+        out.append(dict(step=s["step"], deltaH_true=dH["deltaH_true"], deltaH1=dH1,
+                        deltaH_true_fixed_support=dH["deltaH_true_fixed_support"]))
+    return out
+
+
+def logged(trainer, key):
+    return {r["step"]: r[P + key] for r in trainer.state.log_history if P + key in r}
+
+
+def test_lora_run_logs_the_true_entropy_change_of_each_step_and_projects_as_project_grad(tiny, tmp_path):
+    trainer = grpo_trainer(tiny, tmp_path)
+    adapter = LoraAdapter.from_peft(trainer.model)
+    v_hack = random_v_hack(adapter, k=1, seed=3)
+    pre, post = Recorder(), Stepped()
+    trainer.add_callback(pre)
+    probe = add_grpo_probe(trainer, dict(every=1, n_prompts=2, project=True), v_hack=v_hack, adapter=adapter)
+    trainer.add_callback(post)
+    trainer.train()
+    E = probe.E
+    assert isinstance(E, BatchedSequences) and E.shape[:2] == (2, 4)
+    assert probe.sp.model is not trainer.model and next(probe.sp.model.parameters()).dtype == torch.float64
+    ref = reference(trainer, E, post.steps)
+    dH, dH1 = logged(trainer, "deltaH_true"), logged(trainer, "deltaH1")
+    assert sorted(dH) == [1, 2, 3] == [r["step"] for r in ref]
+    for r in ref:
+        assert dH[r["step"]] != 0
+        assert abs(dH[r["step"]] - r["deltaH_true"]) <= 1e-9 * max(1.0, abs(r["deltaH_true"])), r
+        assert abs(dH1[r["step"]] - r["deltaH1"]) <= 1e-9 * max(1.0, abs(r["deltaH1"])), r
+    # with project=True the optimizer stepped project_grad of TRL's clipped gradient
+    fired = []
+    for a, b in zip(pre.steps, post.steps):
+        want, st = project_grad(adapter.module_vectors(a["grads"]), v_hack.V)
+        want = adapter.param_tensors(want)
+        for n in b["grads"]: torch.testing.assert_close(b["grads"][n], want[n], rtol=0, atol=0)
+        fired.append(st["frac_fired"])
+        for n, d in b["delta_rebuilt"].items():   # optimizer_delta on accelerate's AcceleratedOptimizer
+            torch.testing.assert_close(d, b["theta_plus"][n] - b["theta"][n], rtol=1e-4, atol=1e-7)
+    assert list(logged(trainer, "frac_fired").values()) == pytest.approx(fired) and max(fired) > 0
+    assert all(logged(trainer, "cos_out")[s] < logged(trainer, "cos_in")[s] for s in (1, 2, 3) if fired[s - 1])
+    for key in ("deltaH_true_fixed_support", "deltaH_support_change", "ess_frac", "coverage", "entropy_rb", "cos_in"):
+        assert sorted(logged(trainer, key)) == [1, 2, 3], key
+    # entropy_rb: the last generate call's per-token RB entropies against teacher forcing of the same completions
+    last = probe.entropy_hook.last
+    seqs, Pl, m = last["sequences"], last["prompt_len"], last["mask"]
+    batch = BatchedSequences(seqs[:, None], torch.cat([last["attention_mask"], m.long()], 1)[:, None], [Pl] * len(seqs),
+                             m.sum(-1)[:, None])
+    model = copy.deepcopy(trainer.model)                                     # at θ of the last step: it generated
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad: p.copy_(post.steps[-1]["theta"][n])
+    sp = SequenceProcessor(model, copy.deepcopy(trainer.processing_class), sampling_config(trainer))
+    tf, _ = sp.teacher_force_logprobs(batch)
+    torch.testing.assert_close(last["rb"][m], tf.rb_entropies[:, 0][m], rtol=1e-5, atol=1e-5)
+    assert logged(trainer, "entropy_rb")[3] == pytest.approx(float(last["rb"][m].mean()), rel=1e-6)
+    assert "generate" not in trainer.model.__dict__                          # the hook is gone after training
+
+
+def test_full_fine_tuning_measures_in_weight_space_and_reaches_tensorboard(tiny, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    trainer = grpo_trainer(tiny, tmp_path, peft=False, report_to="tensorboard")
+    adapter = WeightsAdapter(trainer.model, ["q_proj", "o_proj"])
+    v_hack = random_v_hack(adapter, k=2, seed=0)
+    rec = Recorder()
+    trainer.add_callback(rec)
+    probe = add_grpo_probe(trainer, dict(every=2, n_prompts=2), v_hack=v_hack, adapter=adapter)
+    trainer.train()
+    dH = logged(trainer, "deltaH_true")
+    assert sorted(dH) == [1, 3]                                              # every=2: steps 0 and 2 (0-based)
+    ref = reference(trainer, probe.E, [s for s in rec.steps if s["step"] in dH])
+    for r in ref: assert abs(dH[r["step"]] - r["deltaH_true"]) <= 1e-9 * max(1.0, abs(r["deltaH_true"])), r
+    cos = logged(trainer, "cos_in")
+    for s in rec.steps:                                                      # measured every step, grads untouched
+        want = alignment_stats(adapter.module_vectors(s["grads"]), v_hack.V)["cos"]
+        assert cos[s["step"]] == pytest.approx(want, rel=1e-6) and logged(trainer, "frac_fired")[s["step"]] == 0
+    events = list(tmp_path.glob("runs/*/events.out.tfevents.*"))
+    assert events, sorted(map(str, tmp_path.rglob("*")))
+    acc = EventAccumulator(str(events[0].parent)).Reload()
+    tb = [e.value for e in acc.Scalars(f"train/{P}deltaH_true")]
+    assert tb == pytest.approx([dH[1], dH[3]], rel=1e-6)
+    assert f"train/{P}cos_in" in acc.Tags()["scalars"] and math.isfinite(tb[0])
+
+
+def test_bad_input_is_named(tiny, tmp_path):
+    trainer = grpo_trainer(tiny, tmp_path)
+    test_fail(lambda: GRPOProbe(trainer, dict(project=True)), contains="project=True needs a v_hack")
+    test_fail(lambda: GRPOProbe(trainer, dict(every=-1)), contains="every=-1")
+    adapter = LoraAdapter.from_peft(trainer.model)
+    test_fail(lambda: GRPOProbe(trainer, v_hack=random_v_hack(adapter)), contains="needs the adapter")
+    other = WeightsAdapter(copy.deepcopy(tiny[0]), ["q_proj"])
+    probe = add_grpo_probe(trainer, v_hack=random_v_hack(other), adapter=other)
+    test_fail(lambda: trainer.train(), contains="not the trainer's trainable parameters")
+    assert probe.entropy_hook is None
+    rp = grpo_trainer(tiny, tmp_path, repetition_penalty=1.1)
+    test_fail(lambda: sampling_config(rp), contains="repetition_penalty")
