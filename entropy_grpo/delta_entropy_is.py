@@ -6,49 +6,20 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/delta_entropy_is.html.md"""
 
 # %% ../nbs/02_delta_entropy_is.ipynb #20fafd77
 from __future__ import annotations
-import copy, logging, math, random, time, warnings
+import copy, logging, math, time, warnings
 
-import numpy as np
 import torch
+from fastcore.basics import patch
 from torch import Tensor
 
 from .dist import all_reduce_counts, all_reduce_extreme, all_reduce_sum
 from .dr_grpo import check_length_norm, policy_gradient_backward
-from .policies import checkpointed_train_mode, full_precision_norms, wants_checkpointing
+from .probe_state import TrainingState, _ulp_steps
 from .sequence_processor import GenerationConfig, SequenceProcessor, as_batched_sequences
-from .utils import base_optimizer, check_choice, check_range
+from .utils import check_choice, check_range
 
 # %% auto #0
-__all__ = ['IMPORTANCE_DEFAULTS', 'TrainingState', 'importance_config', 'update_backward', 'probe_dtype', 'probe_copy',
-           'DeltaEntropyIS']
-
-# %% ../nbs/02_delta_entropy_is.ipynb #7431529c
-class TrainingState:
-    "A restorable copy of model, grads, optimizer, scheduler and RNG state."
-    def __init__(self, model, optimizer=None, scheduler=None):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        stepped = {id(p) for g in (optimizer.param_groups if optimizer is not None else []) for p in g["params"]}
-        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad or id(p) in stepped}
-        self.tensors = {n: p.detach().clone() for n, p in self.params.items()}
-        self.grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in self.params.items()}
-        self.opt = None if optimizer is None else copy.deepcopy(optimizer.state_dict())
-        self.sched = None if scheduler is None else copy.deepcopy(scheduler.state_dict())
-        self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                    random.getstate(), np.random.get_state())
-
-    @torch.no_grad()
-    def restore(self):
-        for n, p in self.params.items(): p.copy_(self.tensors[n])
-        for n, p in self.params.items():
-            g = self.grads[n]
-            if g is None: p.grad = None
-            elif p.grad is None: p.grad = g.clone()
-            else: p.grad.copy_(g)
-        if self.optimizer is not None: self.optimizer.load_state_dict(copy.deepcopy(self.opt))
-        if self.scheduler is not None: self.scheduler.load_state_dict(copy.deepcopy(self.sched))
-        torch.set_rng_state(self.rng[0])
-        if self.rng[1] is not None: torch.cuda.set_rng_state_all(self.rng[1])
-        random.setstate(self.rng[2]); np.random.set_state(self.rng[3])
+__all__ = ['IMPORTANCE_DEFAULTS', 'importance_config', 'update_backward', 'DeltaEntropyIS']
 
 # %% ../nbs/02_delta_entropy_is.ipynb #e55e7799
 IMPORTANCE_DEFAULTS = dict(
@@ -145,55 +116,6 @@ def update_backward(
     return dict(out, grad_norm=gn, clip_coef=min(1.0, mx / (gn + 1e-6)) if mx else 1.0)
 
 # %% ../nbs/02_delta_entropy_is.ipynb #7e216787
-def probe_dtype(dtype:str|torch.dtype|None="auto") -> torch.dtype:
-    "The entropy probe's scoring dtype: 'auto' = float64 (on every device); float32 on request; bf16 and fp16 refused."
-    if dtype in (None, "", "auto"): return torch.float64
-    d = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if d in (torch.bfloat16, torch.float16):
-        name = str(d).replace("torch.", "")
-        raise ValueError(f"dtype={name}: the entropy probe refuses to score in {name}: a step of relative size 1e-5 "
-                         f"is below {name}'s resolution (relative spacing {torch.finfo(d).eps:.1e}), so ΔH_true and "
-                         "ΔH₁ would be rounding; use float64 (the default) or float32")
-    if d not in (torch.float32, torch.float64):
-        raise ValueError(f"dtype={dtype!r}: expected 'auto', 'float64' or 'float32'")
-    return d
-
-def probe_copy(
-    sp:SequenceProcessor,             # scores the run's model
-    optimizer:torch.optim.Optimizer|None,  # steps its parameters (or a wrapper holding it); None: no optimizer copy
-    dtype:torch.dtype,
-    checkpointing:bool|str|None="auto",  # the copy's gradient checkpointing; "auto": above CHECKPOINT_ABOVE parameters
-)->tuple[SequenceProcessor, torch.optim.Optimizer|None]:  # the same pair (norms made float64) when already in `dtype`
-    "A copy of the model in `dtype` with its own SequenceProcessor and an optimizer of the same kind, state cast."
-    if all(p.dtype == dtype for p in sp.model.parameters() if p.is_floating_point()):
-        if dtype == torch.float64: full_precision_norms(sp.model)
-        return sp, optimizer
-    model = copy.deepcopy(sp.model).to(dtype)
-    if dtype == torch.float64: full_precision_norms(model)
-    if wants_checkpointing(model, checkpointing): checkpointed_train_mode(model)
-    psp = SequenceProcessor(model, sp.tokenizer, sp.config, progress=sp.progress)
-    if optimizer is None: return psp, None
-    optimizer, name = base_optimizer(optimizer), {id(p): n for n, p in sp.model.named_parameters()}
-    new = dict(model.named_parameters())
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [new[name[id(p)]] for p in g["params"]]}
-              for g in optimizer.param_groups]
-    opt = type(optimizer)(groups)
-    opt.load_state_dict(optimizer.state_dict())                      # floating-point state cast to the new dtype
-    kept = {id(t) for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)}
-    for s in opt.state.values():                                     # Adam's `step` arrives uncast: the same tensor,
-        s.update({k: v.clone() for k, v in s.items() if id(v) in kept})   # which a probe step would advance in place
-    return psp, opt
-
-@torch.no_grad()
-def _ulp_steps(params:list, seed:int, undo:bool=False):
-    "Move every entry one ulp up or down (a fair coin per entry, from `seed`); undo=True steps back exactly."
-    gen = torch.Generator().manual_seed(seed)
-    for p in params:
-        up = (torch.rand(p.shape, generator=gen) < 0.5).to(p.device)
-        inf = torch.tensor(float("inf"), dtype=p.dtype, device=p.device)
-        p.copy_(torch.nextafter(p, torch.where(up != undo, inf, -inf)))
-
-# %% ../nbs/02_delta_entropy_is.ipynb #f4d4a3a5
 _NAN_KEYS = ("H_upd", "deltaH_true", "H_upd_fixed_support", "deltaH_true_fixed_support", "deltaH_support_change",
              "deltaH_true_se", "deltaH_true_fixed_support_se", "ess", "ess_frac", "coverage", "coverage_se", "logw_max",
              "logw_min", "logw_mean", "sum_weights", "frac_tokens_left_support")   # NaN when on_nonfinite="nan"
@@ -224,218 +146,235 @@ class DeltaEntropyIS:
     def _log(self, msg, *args):
         (self.logger.info if hasattr(self.logger, "info") else self.logger)(msg % args if args else msg)
 
-    def entropy_change(
-        self,
-        E_batch,                    # probe batch or BatchedSequences: the evaluation sequences (this rank's share)
-        U_batch:dict,               # probe batch with advantages: the update batch (this rank's share)
-        optimizer:torch.optim.Optimizer,  # steps self.model's parameters
-        cfg_importance:dict|None=None,    # keys of IMPORTANCE_DEFAULTS
-        scheduler=None,             # LR scheduler to snapshot/restore with the optimizer
-    )->dict:
-        "H on E before and after one real Dr.GRPO step on U (SNIS on the same E), everything restored afterwards."
-        cfg = importance_config(cfg_importance)
-        return self.entropy_changes(E_batch, U_batch, optimizer, [cfg["lr"]], cfg, scheduler)[0]
+# %% ../nbs/02_delta_entropy_is.ipynb #a9e82908
+@patch
+def score(self:DeltaEntropyIS, E_batch, cfg_importance:dict|None=None) -> dict:
+    "θ's half of ΔH_true: E scored now (log q, entropy sums, kept sets); give it to `change` after a step."
+    cfg = importance_config(cfg_importance); self._check_precision()
+    return _score_E(self.sequence_processor(), as_batched_sequences(E_batch, "E_batch"), cfg["entropy_mode"],
+                    cfg["weights"], return_support=True, per_token=cfg["support_growth"])
 
-    def entropy_changes(
-        self,
-        E_batch,                    # probe batch or BatchedSequences (this rank's share)
-        U_batch:dict,               # probe batch with advantages (this rank's share)
-        optimizer:torch.optim.Optimizer,
-        lrs:list,                   # one real step per learning rate (None: the optimizer's own)
-        cfg_importance:dict|None=None,    # keys of IMPORTANCE_DEFAULTS ("lr" is ignored: `lrs` sets it)
-        scheduler=None,
-        on_nonfinite:str="raise",   # "nan": a NaN log-weight or an all-zero weight set gives NaNs and a note
-    )->list[dict]:                  # one `entropy_change` result per lr, in the order given
-        "`entropy_change` at several lrs: E scored at θ and the U gradient computed once; restored after each step."
-        cfg = importance_config(cfg_importance)
-        check_choice("on_nonfinite", on_nonfinite, ("raise", "nan"))
-        lrs = list(lrs)
-        if not lrs: raise ValueError("lrs=[]: expected at least one learning rate")
-        self._check_precision()
-        for lr in lrs:
-            if lr is not None: check_range("lr", lr, 0)
-        E = as_batched_sequences(E_batch, "E_batch")
-        if not isinstance(U_batch, dict):
-            raise ValueError(f"U_batch: expected a probe batch dict with advantages, got {type(U_batch).__name__}")
-        as_batched_sequences(U_batch, "U_batch")
-        adv = U_batch["advantages"]
-        notes, t0 = [], time.perf_counter()
-        if float(all_reduce_sum([torch.tensor([float((adv != 0).sum())], dtype=torch.float64)])[0][0]) == 0:
-            notes.append("all advantages are zero: the policy-gradient step is zero (only weight decay moves θ)")
-        state = TrainingState(self.model, optimizer, scheduler)
-        t_snap, timings = time.perf_counter() - t0, {}
-        try: outs = self._measure(E, U_batch, optimizer, cfg, lrs, notes, timings, state, on_nonfinite)
-        finally:
-            t = time.perf_counter()
+# %% ../nbs/02_delta_entropy_is.ipynb #1f55b2d4
+@patch
+def _support_growth(self:DeltaEntropyIS, sp, E, before, after, changed, cfg) -> dict:
+    "θ⁺'s kept-set mass on tokens kept at θ⁺ but not at θ: mean per position, mean summed per sequence, max."
+    new = None
+    if cfg["support_growth"] and changed is not None and bool(changed.any()):
+        inter = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], per_token=True,
+                         support=_intersect_support(before["support"], after["support"], changed))
+        new = (-torch.expm1(after["logq_tok"] - inter["logq_tok"])).clamp_min(0) * after["mask"]
+    dev, n_seq = before["S"].device, before["S"].numel()
+    tot = torch.tensor([0.0 if new is None else float(new.sum()), float(before["n_tok"]), float(n_seq)],
+                       dtype=torch.float64, device=dev)
+    all_reduce_sum([tot])
+    mx = all_reduce_extreme(torch.tensor(0.0 if new is None else float(new.max()), dtype=torch.float64,
+                                         device=dev), "max")
+    return dict(support_new_mass_per_position=float(tot[0] / tot[1].clamp_min(1)),
+                support_new_mass_per_sequence=float(tot[0] / tot[2].clamp_min(1)),
+                support_new_mass_max=float(mx))
+
+# %% ../nbs/02_delta_entropy_is.ipynb #3c932599
+@patch
+def _combine(self:DeltaEntropyIS, before, after, fixed, cfg, notes) -> dict:
+    "Global H_orig, H_upd (true and fixed-support), ESS, SEs, coverage and weight diagnostics."
+    base = torch.stack([before["S"].sum(), before["L"].sum(),
+                        before["S"].new_tensor(float(before["S"].numel()), dtype=torch.float64),
+                        before["S"].new_tensor(float(before["n_tok"]), dtype=torch.float64),
+                        (after["out"] & ~before["out"]).sum().double(), before["out"].sum().double()])
+    all_reduce_sum([base])
+    sumS, sumL, n_E, n_tok, n_left, n_round = (float(v) for v in base)
+    zero = (after["out"] & ~before["out"]).any(-1)
+    logw = after["logq"] - before["logq"]
+    if torch.isnan(logw).any():
+        raise FloatingPointError(f"log w has {int(torch.isnan(logw).sum())} NaN entries (state restored)")
+    true, fix = _snis(logw, after["S"], after["L"], zero), _snis(fixed["logq"] - before["logq"], fixed["S"],
+                                                                 fixed["L"], torch.zeros_like(zero))
+    if float(true["sw"]) == 0:
+        raise FloatingPointError("every E sequence left the θ⁺ support: all importance weights are 0 (state "
+                                 "restored)")
+    H_orig, H_upd, H_fix = sumS / n_E, float(true["swS"] / true["sw"]), float(fix["swS"] / fix["sw"])
+    finite = logw[~zero]
+    # delta-method influence of each E sequence on ΔH (paired: the same sequence at θ and θ⁺)
+    psi = lambda r, S, H: (r["w"] * (n_E / r["sw"])) * (S - H) - (before["S"] - H_orig)
+    stats = torch.stack([finite.sum(), finite.new_tensor(float(finite.numel()), dtype=torch.float64),
+                         zero.sum().double(), (psi(true, after["S"], H_upd) ** 2).sum(),
+                         (psi(fix, fixed["S"], H_fix) ** 2).sum()])
+    all_reduce_sum([stats])
+    lmin = all_reduce_extreme(finite.min() if finite.numel()
+                              else finite.new_tensor(float("inf"), dtype=torch.float64), "min")
+    ess = float(true["sw"] ** 2 / true["sw2"])
+    if ess < cfg["min_ess_frac"] * n_E:
+        notes.append(f"ESS {ess:.1f} is below min_ess_frac={cfg['min_ess_frac']} of |E|={int(n_E)}: the SNIS "
+                     "estimate is unreliable")
+        warnings.warn(notes[-1])
+    se = lambda s: math.sqrt(float(s) / (n_E * (n_E - 1))) if n_E > 1 else float("nan")
+    scale = math.exp(float(true["max"]))                     # back to the unnormalised weights q_θ⁺ / q_θ
+    mean_w, mean_w2 = float(true["sw"]) / n_E, float(true["sw2"]) / n_E
+    out = dict(H_orig=H_orig, H_upd=H_upd, deltaH_true=H_upd - H_orig,
+               H_upd_fixed_support=H_fix, deltaH_true_fixed_support=H_fix - H_orig,
+               deltaH_support_change=H_upd - H_fix, deltaH_true_se=se(stats[3]),
+               deltaH_true_fixed_support_se=se(stats[4]), ess=ess, ess_frac=ess / n_E, n_E=int(n_E),
+               coverage=scale * mean_w,
+               coverage_se=scale * math.sqrt(max(mean_w2 - mean_w ** 2, 0.0) / max(n_E - 1, 1)),
+               logw_max=float(true["max"]), logw_min=float(lmin),
+               logw_mean=float(stats[0] / max(float(stats[1]), 1)),
+               sum_weights=float(true["sw"]), n_zero_weight_sequences=int(stats[2]),
+               frac_tokens_left_support=n_left / n_tok, n_tokens_outside_support_at_theta=int(n_round),
+               entropy_mode=cfg["entropy_mode"], weights=cfg["weights"], notes=notes)
+    if cfg["report_per_token"]:
+        out.update(H_orig_tok=sumS / sumL, H_upd_tok=float(true["swS"] / true["swL"]),
+                   H_upd_fixed_support_tok=float(fix["swS"] / fix["swL"]))
+        out.update(deltaH_true_tok=out["H_upd_tok"] - out["H_orig_tok"],
+                   deltaH_true_fixed_support_tok=out["H_upd_fixed_support_tok"] - out["H_orig_tok"])
+    return out
+
+# %% ../nbs/02_delta_entropy_is.ipynb #fcf3dea6
+@patch
+def change(self:DeltaEntropyIS, E_batch, before:dict, cfg_importance:dict|None=None, on_nonfinite:str="raise",
+           notes:list|None=None) -> dict:
+    "ΔH_true of whatever moved θ since `score` gave `before`: E at θ⁺ (own, θ's and shared kept sets), SNIS."
+    cfg, sp, E = importance_config(cfg_importance), self.sequence_processor(), as_batched_sequences(E_batch, "E")
+    notes = list(notes or []); check_choice("on_nonfinite", on_nonfinite, ("raise", "nan"))
+    after = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], return_support=True,
+                     per_token=cfg["support_growth"])
+    truncated = before["support"] is not None
+    fixed = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], support=before["support"]) if truncated else after
+    changed = _changed_rows(before["support"], after["support"])
+    growth = self._support_growth(sp, E, before, after, changed, cfg)
+    try: out = self._combine(before, after, fixed, cfg, notes)
+    except FloatingPointError as e:
+        if on_nonfinite == "raise": raise
+        out = dict(dict.fromkeys(_NAN_KEYS, float("nan")), H_orig=float(before["S"].mean()),
+                   n_E=int(before["S"].numel()), n_zero_weight_sequences=int((after["out"] & ~before["out"]).any(
+                       -1).sum()), n_tokens_outside_support_at_theta=int(before["out"].sum()),
+                   entropy_mode=cfg["entropy_mode"], weights=cfg["weights"], notes=notes + [str(e)])
+    out.update(growth, n_support_changed_positions=0 if changed is None else int(changed.sum()))
+    return all_reduce_counts(out, ["n_support_changed_positions"])
+
+# %% ../nbs/02_delta_entropy_is.ipynb #0ee4c298
+@patch
+def _measure(self:DeltaEntropyIS, E, U_batch, optimizer, cfg, lrs, notes, timings, state, on_nonfinite) -> list[dict]:
+    "Score E at θ, the U gradient, then per lr: step, score E at θ⁺ (own and θ's kept sets), combine, restore."
+    sp, t = self.sequence_processor(), time.perf_counter()
+    before = self.score(E, cfg)
+    timings["score_theta"], t = time.perf_counter() - t, time.perf_counter()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    upd = update_backward(sp, U_batch, params, cfg)
+    grads = {p: p.grad.detach().clone() for p in params if p.grad is not None}
+    lr0 = [g["lr"] for g in optimizer.param_groups]
+    timings["update"], timings["score_theta_plus"], outs = time.perf_counter() - t, 0.0, []
+    names = {p: n for n, p in self.model.named_parameters()}
+    for i, lr in enumerate(lrs):
+        if i:
             state.restore()
-            t_restore = time.perf_counter() - t
-        mode = cfg["entropy_mode"].upper()
-        for out in outs:
-            out.update(seconds=time.perf_counter() - t0, seconds_snapshot_restore=t_snap + t_restore,
-                       **{f"seconds_{k}": v for k, v in timings.items()})
-            self._log("lr %s: original entropy (%s): %.6f; updated (SNIS): %.6f (fixed support %.6f); ESS %.1f / %d; "
-                      "%d sequences with weight 0; covered mass %.4f", out["lr"], mode, out["H_orig"], out["H_upd"],
-                      out["H_upd_fixed_support"], out["ess"], out["n_E"], out["n_zero_weight_sequences"],
-                      out["coverage"])
-        return outs
+            for p in params: p.grad = grads[p].clone() if p in grads else None
+        for g, l in zip(optimizer.param_groups, lr0): g["lr"] = l if lr is None else lr
+        optimizer.step()
+        t = time.perf_counter()
+        out = self.change(E, before, cfg, on_nonfinite, notes)
+        timings["score_theta_plus"] += time.perf_counter() - t
+        delta = {names[p]: p.detach() - state.tensors[names[p]] for p in params if names.get(p) in state.tensors}
+        out.update(lr=lr0[0] if lr is None else lr, update_loss=upd["loss"], n_U_tokens=upd["n_tokens"],
+                   grad_norm=upd["grad_norm"], clip_coef=upd["clip_coef"],
+                   delta_theta_norm=math.sqrt(sum(float((d.double() ** 2).sum()) for d in delta.values())))
+        if cfg["return_delta"]: out["delta_theta"] = {n: d.clone() for n, d in delta.items()}
+        outs.append(out)
+    return outs
 
-    def entropy_change_two_batch(self, model, E_batch, U_batch:dict, optimizer, cfg_importance:dict|None=None,
-                                 scheduler=None) -> dict:
-        "`entropy_change` with the policy passed again (the original signature); `model` must be the constructor's."
-        if model is not self.model: raise ValueError("model is not the one this DeltaEntropyIS was built for")
-        return self.entropy_change(E_batch, U_batch, optimizer, cfg_importance, scheduler)
+# %% ../nbs/02_delta_entropy_is.ipynb #1ccae98d
+@patch
+def entropy_changes(
+    self:DeltaEntropyIS,
+    E_batch,                    # probe batch or BatchedSequences (this rank's share)
+    U_batch:dict,               # probe batch with advantages (this rank's share)
+    optimizer:torch.optim.Optimizer,
+    lrs:list,                   # one real step per learning rate (None: the optimizer's own)
+    cfg_importance:dict|None=None,    # keys of IMPORTANCE_DEFAULTS ("lr" is ignored: `lrs` sets it)
+    scheduler=None,
+    on_nonfinite:str="raise",   # "nan": a NaN log-weight or an all-zero weight set gives NaNs and a note
+)->list[dict]:                  # one `entropy_change` result per lr, in the order given
+    "`entropy_change` at several lrs: E scored at θ and the U gradient computed once; restored after each step."
+    cfg = importance_config(cfg_importance)
+    check_choice("on_nonfinite", on_nonfinite, ("raise", "nan"))
+    lrs = list(lrs)
+    if not lrs: raise ValueError("lrs=[]: expected at least one learning rate")
+    self._check_precision()
+    for lr in lrs:
+        if lr is not None: check_range("lr", lr, 0)
+    E = as_batched_sequences(E_batch, "E_batch")
+    if not isinstance(U_batch, dict):
+        raise ValueError(f"U_batch: expected a probe batch dict with advantages, got {type(U_batch).__name__}")
+    as_batched_sequences(U_batch, "U_batch")
+    adv = U_batch["advantages"]
+    notes, t0 = [], time.perf_counter()
+    if float(all_reduce_sum([torch.tensor([float((adv != 0).sum())], dtype=torch.float64)])[0][0]) == 0:
+        notes.append("all advantages are zero: the policy-gradient step is zero (only weight decay moves θ)")
+    state = TrainingState(self.model, optimizer, scheduler)
+    t_snap, timings = time.perf_counter() - t0, {}
+    try: outs = self._measure(E, U_batch, optimizer, cfg, lrs, notes, timings, state, on_nonfinite)
+    finally:
+        t = time.perf_counter()
+        state.restore()
+        t_restore = time.perf_counter() - t
+    mode = cfg["entropy_mode"].upper()
+    for out in outs:
+        out.update(seconds=time.perf_counter() - t0, seconds_snapshot_restore=t_snap + t_restore,
+                   **{f"seconds_{k}": v for k, v in timings.items()})
+        self._log("lr %s: original entropy (%s): %.6f; updated (SNIS): %.6f (fixed support %.6f); ESS %.1f / %d; "
+                  "%d sequences with weight 0; covered mass %.4f", out["lr"], mode, out["H_orig"], out["H_upd"],
+                  out["H_upd_fixed_support"], out["ess"], out["n_E"], out["n_zero_weight_sequences"],
+                  out["coverage"])
+    return outs
 
-    def _measure(self, E, U_batch, optimizer, cfg, lrs, notes, timings, state, on_nonfinite) -> list[dict]:
-        "Score E at θ, the U gradient, then per lr: step, score E at θ⁺ (own and θ's kept sets), combine, restore."
-        sp, t = self.sequence_processor(), time.perf_counter()
-        before = self.score(E, cfg)
-        timings["score_theta"], t = time.perf_counter() - t, time.perf_counter()
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        upd = update_backward(sp, U_batch, params, cfg)
-        grads = {p: p.grad.detach().clone() for p in params if p.grad is not None}
-        lr0 = [g["lr"] for g in optimizer.param_groups]
-        timings["update"], timings["score_theta_plus"], outs = time.perf_counter() - t, 0.0, []
-        names = {p: n for n, p in self.model.named_parameters()}
-        for i, lr in enumerate(lrs):
-            if i:
-                state.restore()
-                for p in params: p.grad = grads[p].clone() if p in grads else None
-            for g, l in zip(optimizer.param_groups, lr0): g["lr"] = l if lr is None else lr
-            optimizer.step()
-            t = time.perf_counter()
-            out = self.change(E, before, cfg, on_nonfinite, notes)
-            timings["score_theta_plus"] += time.perf_counter() - t
-            delta = {names[p]: p.detach() - state.tensors[names[p]] for p in params if names.get(p) in state.tensors}
-            out.update(lr=lr0[0] if lr is None else lr, update_loss=upd["loss"], n_U_tokens=upd["n_tokens"],
-                       grad_norm=upd["grad_norm"], clip_coef=upd["clip_coef"],
-                       delta_theta_norm=math.sqrt(sum(float((d.double() ** 2).sum()) for d in delta.values())))
-            if cfg["return_delta"]: out["delta_theta"] = {n: d.clone() for n, d in delta.items()}
-            outs.append(out)
-        return outs
+# %% ../nbs/02_delta_entropy_is.ipynb #4f3022af
+@patch
+def entropy_change(
+    self:DeltaEntropyIS,
+    E_batch,                    # probe batch or BatchedSequences: the evaluation sequences (this rank's share)
+    U_batch:dict,               # probe batch with advantages: the update batch (this rank's share)
+    optimizer:torch.optim.Optimizer,  # steps self.model's parameters
+    cfg_importance:dict|None=None,    # keys of IMPORTANCE_DEFAULTS
+    scheduler=None,             # LR scheduler to snapshot/restore with the optimizer
+)->dict:
+    "H on E before and after one real Dr.GRPO step on U (SNIS on the same E), everything restored afterwards."
+    cfg = importance_config(cfg_importance)
+    return self.entropy_changes(E_batch, U_batch, optimizer, [cfg["lr"]], cfg, scheduler)[0]
 
-    def score(self, E_batch, cfg_importance:dict|None=None) -> dict:
-        "θ's half of ΔH_true: E scored now (log q, entropy sums, kept sets); give it to `change` after a step."
-        cfg = importance_config(cfg_importance); self._check_precision()
-        return _score_E(self.sequence_processor(), as_batched_sequences(E_batch, "E_batch"), cfg["entropy_mode"],
-                        cfg["weights"], return_support=True, per_token=cfg["support_growth"])
+@patch
+def entropy_change_two_batch(self:DeltaEntropyIS, model, E_batch, U_batch:dict, optimizer,
+                             cfg_importance:dict|None=None, scheduler=None) -> dict:
+    "`entropy_change` with the policy passed again (the original signature); `model` must be the constructor's."
+    if model is not self.model: raise ValueError("model is not the one this DeltaEntropyIS was built for")
+    return self.entropy_change(E_batch, U_batch, optimizer, cfg_importance, scheduler)
 
-    def change(self, E_batch, before:dict, cfg_importance:dict|None=None, on_nonfinite:str="raise",
-               notes:list|None=None) -> dict:
-        "ΔH_true of whatever moved θ since `score` gave `before`: E at θ⁺ (own, θ's and shared kept sets), SNIS."
-        cfg, sp, E = importance_config(cfg_importance), self.sequence_processor(), as_batched_sequences(E_batch, "E")
-        notes = list(notes or []); check_choice("on_nonfinite", on_nonfinite, ("raise", "nan"))
-        after = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], return_support=True,
-                         per_token=cfg["support_growth"])
-        truncated = before["support"] is not None
-        fixed = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], support=before["support"]) if truncated else after
-        changed = _changed_rows(before["support"], after["support"])
-        growth = self._support_growth(sp, E, before, after, changed, cfg)
-        try: out = self._combine(before, after, fixed, cfg, notes)
-        except FloatingPointError as e:
-            if on_nonfinite == "raise": raise
-            out = dict(dict.fromkeys(_NAN_KEYS, float("nan")), H_orig=float(before["S"].mean()),
-                       n_E=int(before["S"].numel()), n_zero_weight_sequences=int((after["out"] & ~before["out"]).any(
-                           -1).sum()), n_tokens_outside_support_at_theta=int(before["out"].sum()),
-                       entropy_mode=cfg["entropy_mode"], weights=cfg["weights"], notes=notes + [str(e)])
-        out.update(growth, n_support_changed_positions=0 if changed is None else int(changed.sum()))
-        return all_reduce_counts(out, ["n_support_changed_positions"])
-
-    def _support_growth(self, sp, E, before, after, changed, cfg) -> dict:
-        "θ⁺'s kept-set mass on tokens kept at θ⁺ but not at θ: mean per position, mean summed per sequence, max."
-        new = None
-        if cfg["support_growth"] and changed is not None and bool(changed.any()):
-            inter = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], per_token=True,
-                             support=_intersect_support(before["support"], after["support"], changed))
-            new = (-torch.expm1(after["logq_tok"] - inter["logq_tok"])).clamp_min(0) * after["mask"]
-        dev, n_seq = before["S"].device, before["S"].numel()
-        tot = torch.tensor([0.0 if new is None else float(new.sum()), float(before["n_tok"]), float(n_seq)],
-                           dtype=torch.float64, device=dev)
-        all_reduce_sum([tot])
-        mx = all_reduce_extreme(torch.tensor(0.0 if new is None else float(new.max()), dtype=torch.float64,
-                                             device=dev), "max")
-        return dict(support_new_mass_per_position=float(tot[0] / tot[1].clamp_min(1)),
-                    support_new_mass_per_sequence=float(tot[0] / tot[2].clamp_min(1)),
-                    support_new_mass_max=float(mx))
-
-    def _combine(self, before, after, fixed, cfg, notes) -> dict:
-        "Global H_orig, H_upd (true and fixed-support), ESS, SEs, coverage and weight diagnostics."
-        base = torch.stack([before["S"].sum(), before["L"].sum(),
-                            before["S"].new_tensor(float(before["S"].numel()), dtype=torch.float64),
-                            before["S"].new_tensor(float(before["n_tok"]), dtype=torch.float64),
-                            (after["out"] & ~before["out"]).sum().double(), before["out"].sum().double()])
-        all_reduce_sum([base])
-        sumS, sumL, n_E, n_tok, n_left, n_round = (float(v) for v in base)
-        zero = (after["out"] & ~before["out"]).any(-1)
-        logw = after["logq"] - before["logq"]
-        if torch.isnan(logw).any():
-            raise FloatingPointError(f"log w has {int(torch.isnan(logw).sum())} NaN entries (state restored)")
-        true, fix = _snis(logw, after["S"], after["L"], zero), _snis(fixed["logq"] - before["logq"], fixed["S"],
-                                                                     fixed["L"], torch.zeros_like(zero))
-        if float(true["sw"]) == 0:
-            raise FloatingPointError("every E sequence left the θ⁺ support: all importance weights are 0 (state "
-                                     "restored)")
-        H_orig, H_upd, H_fix = sumS / n_E, float(true["swS"] / true["sw"]), float(fix["swS"] / fix["sw"])
-        finite = logw[~zero]
-        # delta-method influence of each E sequence on ΔH (paired: the same sequence at θ and θ⁺)
-        psi = lambda r, S, H: (r["w"] * (n_E / r["sw"])) * (S - H) - (before["S"] - H_orig)
-        stats = torch.stack([finite.sum(), finite.new_tensor(float(finite.numel()), dtype=torch.float64),
-                             zero.sum().double(), (psi(true, after["S"], H_upd) ** 2).sum(),
-                             (psi(fix, fixed["S"], H_fix) ** 2).sum()])
-        all_reduce_sum([stats])
-        lmin = all_reduce_extreme(finite.min() if finite.numel()
-                                  else finite.new_tensor(float("inf"), dtype=torch.float64), "min")
-        ess = float(true["sw"] ** 2 / true["sw2"])
-        if ess < cfg["min_ess_frac"] * n_E:
-            notes.append(f"ESS {ess:.1f} is below min_ess_frac={cfg['min_ess_frac']} of |E|={int(n_E)}: the SNIS "
-                         "estimate is unreliable")
-            warnings.warn(notes[-1])
-        se = lambda s: math.sqrt(float(s) / (n_E * (n_E - 1))) if n_E > 1 else float("nan")
-        scale = math.exp(float(true["max"]))                     # back to the unnormalised weights q_θ⁺ / q_θ
-        mean_w, mean_w2 = float(true["sw"]) / n_E, float(true["sw2"]) / n_E
-        out = dict(H_orig=H_orig, H_upd=H_upd, deltaH_true=H_upd - H_orig,
-                   H_upd_fixed_support=H_fix, deltaH_true_fixed_support=H_fix - H_orig,
-                   deltaH_support_change=H_upd - H_fix, deltaH_true_se=se(stats[3]),
-                   deltaH_true_fixed_support_se=se(stats[4]), ess=ess, ess_frac=ess / n_E, n_E=int(n_E),
-                   coverage=scale * mean_w,
-                   coverage_se=scale * math.sqrt(max(mean_w2 - mean_w ** 2, 0.0) / max(n_E - 1, 1)),
-                   logw_max=float(true["max"]), logw_min=float(lmin),
-                   logw_mean=float(stats[0] / max(float(stats[1]), 1)),
-                   sum_weights=float(true["sw"]), n_zero_weight_sequences=int(stats[2]),
-                   frac_tokens_left_support=n_left / n_tok, n_tokens_outside_support_at_theta=int(n_round),
-                   entropy_mode=cfg["entropy_mode"], weights=cfg["weights"], notes=notes)
-        if cfg["report_per_token"]:
-            out.update(H_orig_tok=sumS / sumL, H_upd_tok=float(true["swS"] / true["swL"]),
-                       H_upd_fixed_support_tok=float(fix["swS"] / fix["swL"]))
-            out.update(deltaH_true_tok=out["H_upd_tok"] - out["H_orig_tok"],
-                       deltaH_true_fixed_support_tok=out["H_upd_fixed_support_tok"] - out["H_orig_tok"])
-        return out
-
-    @torch.no_grad()
-    def noise_floor(
-        self,
-        E_batch,                    # probe batch or BatchedSequences (this rank's share)
-        draws:int=2,                # random one-ulp perturbations; the floor is the largest |change|
-        seed:int=0,
-        cfg_importance:dict|None=None,  # entropy_mode and weights as in entropy_change
-    )->dict:                        # floor (largest |diff|, at least one ulp of H), diffs (signed, per draw), dtype
-        "What this dtype cannot resolve: the SNIS change of H on E (θ's kept sets) when every parameter moves one ulp."
-        cfg = importance_config(cfg_importance)
-        check_range("draws", draws, 1, integer=True)
-        sp, E = self.sequence_processor(), as_batched_sequences(E_batch, "E_batch")
-        before = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], return_support=True)
-        tot = all_reduce_sum([torch.tensor([float(before["S"].sum()), float(before["S"].numel())],
-                                           dtype=torch.float64)])[0]
-        H_orig = float(tot[0] / tot[1])
-        params = [p for p in self.model.parameters() if p.is_floating_point()]
-        zero, diffs = torch.zeros_like(before["out"].any(-1)), []
-        for k in range(draws):                  # no copy of θ: a one-ulp step is undone by one ulp back
-            _ulp_steps(params, seed * 1_000_003 + k, undo=False)
-            try:
-                pert = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], support=before["support"])
-                r = _snis(pert["logq"] - before["logq"], pert["S"], pert["L"], zero)
-                diffs.append(float(r["swS"] / r["sw"]) - H_orig)
-            finally: _ulp_steps(params, seed * 1_000_003 + k, undo=True)
-        dt = next(self.model.parameters()).dtype
-        res = torch.finfo(dt).eps * abs(H_orig)                         # one ulp of H itself
-        return dict(floor=max([res] + [abs(d) for d in diffs]), diffs=diffs, dtype=str(dt).replace("torch.", ""),
-                    H_orig=H_orig)
+# %% ../nbs/02_delta_entropy_is.ipynb #fdcd5892
+@patch
+@torch.no_grad()
+def noise_floor(
+    self:DeltaEntropyIS,
+    E_batch,                    # probe batch or BatchedSequences (this rank's share)
+    draws:int=2,                # random one-ulp perturbations; the floor is the largest |change|
+    seed:int=0,
+    cfg_importance:dict|None=None,  # entropy_mode and weights as in entropy_change
+)->dict:                        # floor (largest |diff|, at least one ulp of H), diffs (signed, per draw), dtype
+    "What this dtype cannot resolve: the SNIS change of H on E (θ's kept sets) when every parameter moves one ulp."
+    cfg = importance_config(cfg_importance)
+    check_range("draws", draws, 1, integer=True)
+    sp, E = self.sequence_processor(), as_batched_sequences(E_batch, "E_batch")
+    before = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], return_support=True)
+    tot = all_reduce_sum([torch.tensor([float(before["S"].sum()), float(before["S"].numel())],
+                                       dtype=torch.float64)])[0]
+    H_orig = float(tot[0] / tot[1])
+    params = [p for p in self.model.parameters() if p.is_floating_point()]
+    zero, diffs = torch.zeros_like(before["out"].any(-1)), []
+    for k in range(draws):                  # no copy of θ: a one-ulp step is undone by one ulp back
+        _ulp_steps(params, seed * 1_000_003 + k, undo=False)
+        try:
+            pert = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], support=before["support"])
+            r = _snis(pert["logq"] - before["logq"], pert["S"], pert["L"], zero)
+            diffs.append(float(r["swS"] / r["sw"]) - H_orig)
+        finally: _ulp_steps(params, seed * 1_000_003 + k, undo=True)
+    dt = next(self.model.parameters()).dtype
+    res = torch.finfo(dt).eps * abs(H_orig)                         # one ulp of H itself
+    return dict(floor=max([res] + [abs(d) for d in diffs]), diffs=diffs, dtype=str(dt).replace("torch.", ""),
+                H_orig=H_orig)

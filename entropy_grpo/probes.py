@@ -13,10 +13,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .delta_entropy_is import (DeltaEntropyIS, importance_config, probe_copy, probe_dtype,
-                                           update_backward)
+from .delta_entropy_is import DeltaEntropyIS, importance_config, update_backward
 from .dist import all_reduce_sum
 from .dr_grpo import group_advantages, policy_gradient_backward
+from .probe_state import probe_copy, probe_dtype
 from .sequence_processor import (GenerationConfig, LogprobResults, SequenceProcessor, as_batched_sequences,
                                              make_probe_batch)
 from .training import TrainConfig

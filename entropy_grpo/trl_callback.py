@@ -14,8 +14,9 @@ from torch import Tensor
 from fastcore.basics import patch
 
 from .adapters import Adapter
-from .delta_entropy_is import DeltaEntropyIS, importance_config, probe_copy, probe_dtype
+from .delta_entropy_is import DeltaEntropyIS, importance_config
 from .dist import all_reduce_sum, rank
+from .probe_state import probe_copy, probe_dtype
 from .probes import GRAD_H_ESTIMATORS, entropy_gradient
 from .projection_arms import COS_KEYS, GATES, VHack, arm_step
 from .rb_entropy import _scaled, token_stats

@@ -6,9 +6,10 @@ import pytest
 import torch
 from fastcore.test import test_fail
 
-from entropy_grpo.delta_entropy_is import DeltaEntropyIS, probe_copy
+from entropy_grpo.delta_entropy_is import DeltaEntropyIS
 from entropy_grpo.dr_grpo import group_advantages, policy_gradient_backward
 from entropy_grpo.policies import tiny_policy
+from entropy_grpo.probe_state import probe_copy
 from entropy_grpo.sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor, make_probe_batch
 from exact import enumerate_entropy
 from gloo import gloo_group, spawn_two
@@ -248,7 +249,7 @@ def test_a_bf16_model_is_refused_by_every_entry_point(tiny):
 def test_snapshot_holds_only_what_a_step_changes(fresh_tiny):
     "With an adapter the snapshot is the adapter's tensors (frozen weights and buffers are not copied); restore works."
     from entropy_grpo.adapters import add_lora
-    from entropy_grpo.delta_entropy_is import TrainingState
+    from entropy_grpo.probe_state import TrainingState
     model, _ = fresh_tiny
     la = add_lora(model, ["q_proj"], r=2)
     opt = torch.optim.AdamW(la.parameters(), lr=1e-2)

@@ -7,10 +7,11 @@ import torch
 from fastcore import test as fc
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from entropy_grpo.delta_entropy_is import DeltaEntropyIS, probe_copy, probe_dtype
+from entropy_grpo.delta_entropy_is import DeltaEntropyIS
 from entropy_grpo.dr_grpo import group_advantages, policy_gradient_backward
 from entropy_grpo.phase2 import decide, entropy_probe_row
 from entropy_grpo.policies import tiny_policy
+from entropy_grpo.probe_state import probe_copy, probe_dtype
 from entropy_grpo.probes import covariance_predictor, run_mixed_probe, update_delta, update_settings
 from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor, as_batched_sequences, make_probe_batch
 from entropy_grpo.tasks import ArithmeticTask

@@ -6,7 +6,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "entropy_grpo"
 LAYERS = [("utils", "dist", "kept_sets", "report_to"), ("policies", "tasks", "rb_entropy", "adapters"),
-          ("sequence_processor",), ("dr_grpo",), ("training", "delta_entropy_is", "projection_arms"),
+          ("sequence_processor",), ("dr_grpo", "probe_state"), ("training", "delta_entropy_is", "projection_arms"),
           ("probes", "pools"),
           ("contributions", "decision", "trl_callback"),
           ("phase2", "reports"), ("phase2_run",), ("calibration", "plan"), ("experiments",)]
