@@ -40,15 +40,15 @@ pytest: setup
 
 test: export-check nbtest pytest
 
-# The runs of record, committed under runs/ (each command re-runs its report from scratch; ~1 h on 2 CPU cores):
+# The runs of record, committed under runs/ (each command re-runs its report from scratch; ~1.5 h on 2 CPU cores):
 # the demo, the Phase-2 decision's calibration, a Phase-1 probe and a small Phase-3 sweep with its summary.
 POOLS := runs/demo/0-projected/pools
 record: setup
 	$(BIN)/entropy-grpo demo --out runs/demo/0-projected
-	$(BIN)/entropy-grpo calibrate --seeds 40 --out runs/calibration
+	$(BIN)/entropy-grpo calibrate --seeds 40 --out runs/calibration -p record=True
 	$(BIN)/entropy-grpo phase1 --out runs/phase1 -p pool_steps=12 \
 	    -p teacher_pool="'$(POOLS)/teacher'" -p base_pool="'$(POOLS)/base'"
-	$(BIN)/entropy-grpo sweep --out runs/phase3 --seeds 0 --arms vanilla projected --steps 5 \
+	$(BIN)/entropy-grpo sweep --out runs/phase3 --seeds 0 --arms vanilla projected --steps 5 --force \
 	    -p preset="'cpu-small'" -p teacher_pool="'$(POOLS)/teacher'" -p base_pool="'$(POOLS)/base'"
 	$(BIN)/entropy-grpo report runs/phase3
 
