@@ -35,8 +35,7 @@ def hack_rate_separation(curves:list, window:int=5, min_separation:float=0.1) ->
 # %% ../nbs/07_experiments.ipynb #6db6a42b
 def _run_name(seed, arm): return f"{seed}-{arm}"
 
-def _sweep_spec(template, steps, params) -> dict:
-    return dict(template=str(template), steps=steps, params=params or {})
+def _sweep_spec(template, steps, params) -> dict: return dict(template=str(template), steps=steps, params=params or {})
 
 def check_sweep_spec(exp_dir, spec:dict):
     "Refuse an output directory whose runs were made with other parameters; name the differences."
@@ -80,6 +79,7 @@ class _GpuSlots:
         slot[1] = slot[0].submit(fn, *args, **kwargs)
         return slot[1]
 
+# %% ../nbs/07_experiments.ipynb #833735bb
 def make_executor(kind:str, folder, slurm:dict|None=None, timeout_min:int=24 * 60):
     "The sweep's submitit executor: 'local' (a GPU per job when there are GPUs) or 'slurm' (`executor_parameters`)."
     import submitit
@@ -114,9 +114,8 @@ def add_slurm_arguments(s:argparse.ArgumentParser):
 
 def slurm_settings(a) -> dict:
     "The Slurm settings the command line set, under submitit's names."
-    out = dict(gpus_per_node=a.gpus, timeout_min=a.time, slurm_partition=a.partition,
-               mem_gb=a.mem, cpus_per_task=a.cpus,
-               slurm_additional_parameters=_kv(a.sbatch) or None)
+    out = dict(gpus_per_node=a.gpus, timeout_min=a.time, slurm_partition=a.partition, mem_gb=a.mem,
+               cpus_per_task=a.cpus, slurm_additional_parameters=_kv(a.sbatch) or None)
     return {k: v for k, v in out.items() if v is not None}
 
 # %% ../nbs/07_experiments.ipynb #de9b1b5f
@@ -311,6 +310,7 @@ def _run_parser(sub, name:str, template:str, help:str, common) -> argparse.Argum
     p.add_argument("-p", action="append", metavar="NAME=VALUE", help="set a template parameter (a Python literal)")
     return p
 
+# %% ../nbs/07_experiments.ipynb #358b5add
 def cli_parser() -> argparse.ArgumentParser:
     "The `entropy-grpo` command's arguments: one subcommand per job."
     ap = argparse.ArgumentParser(prog="entropy-grpo", description="Measure and steer what one GRPO update does to a "

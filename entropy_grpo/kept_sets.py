@@ -34,6 +34,7 @@ class _Nucleus:
     groups:list    # [(rows [g], idx [g, K])]: idx[j, :n[rows[j]]] are row j's kept tokens, every one above thr first
                    # (a window lists them most probable first, the histogram search in no particular order)
 
+# %% ../nbs/01a_kept_sets.ipynb #927fa1e1
 def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=None) -> _Nucleus:
     "Kept sets of x [c, V] (scaled logits, no grad): top-k windows, wide nuclei by histogram; lse [c] if known."
     c, V = x.shape
@@ -75,6 +76,7 @@ def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=N
     if wide and (wide := torch.cat(wide)).numel(): _hist_nucleus(x, wide, m, thresh, min_keep, nuc, buf)
     return nuc
 
+# %% ../nbs/01a_kept_sets.ipynb #bcbb4af0
 def _topk(x:Tensor, k:int) -> tuple[Tensor, Tensor]:
     """x.topk(k) of x [r, V] (ties in any order). With V = 16·g, the k largest values lie in the k column groups
     {j, j + g, …, j + 15g} with the largest maxima: one amax over x, then topk over [r, g] and over [r, 16k]."""

@@ -77,22 +77,7 @@ class Phase2Config:
     probe_min_ess_frac:float=0.5   # ESS below this fraction of |E| flags an entropy-probe row low_ess
     out_dir:str="runs/phase2/0-projected"
 
-    def __post_init__(self):
-        check_choice("arm", self.arm, ("projected", "projected_lora"))
-        check_choice("v_hack_source", self.v_hack_source, V_HACK_SOURCES)
-        check_choice("teacher_hint", self.teacher_hint, ("plain", "leaky"))
-        for name in ("steps", "n_controls", "pool_batch", "k", "max_pairs", "E_total_sequences", "B_U"):
-            check_range(name, getattr(self, name), 2 if name == "n_controls" else 1, integer=True)
-        if self.G < 2 or self.G % 2:
-            raise ValueError(f"G={self.G}: expected an even group size >= 2 (G/2 from each pool)")
-        if self.pool_batch < self.G // 2:
-            raise ValueError(f"pool_batch={self.pool_batch}: expected >= G/2 = {self.G // 2}")
-        if not 1 <= self.fit_steps < self.pool_steps:
-            raise ValueError(f"fit_steps={self.fit_steps}: expected 1 <= fit_steps < pool_steps={self.pool_steps}")
-        if not self.lrs or min(self.lrs) <= 0: raise ValueError(f"lrs={self.lrs}: expected positive learning rates")
-        if bool(self.teacher_pool) != bool(self.base_pool):
-            raise ValueError(f"teacher_pool={self.teacher_pool!r}, base_pool={self.base_pool!r}: expected both (reuse "
-                             "two pools) or neither (build them)")
+    def __post_init__(self): self._check()
 
     @classmethod
     def from_namespace(cls, ns:dict) -> "Phase2Config":
@@ -106,6 +91,26 @@ class Phase2Config:
     def generation(self) -> GenerationConfig:
         return GenerationConfig(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
                                 num_generations=self.G)
+
+# %% ../nbs/06b_phase2_run.ipynb #22f57032
+@patch
+def _check(self:Phase2Config):
+    "Every field in range, every choice known, the pools given both or neither."
+    check_choice("arm", self.arm, ("projected", "projected_lora"))
+    check_choice("v_hack_source", self.v_hack_source, V_HACK_SOURCES)
+    check_choice("teacher_hint", self.teacher_hint, ("plain", "leaky"))
+    for name in ("steps", "n_controls", "pool_batch", "k", "max_pairs", "E_total_sequences", "B_U"):
+        check_range(name, getattr(self, name), 2 if name == "n_controls" else 1, integer=True)
+    if self.G < 2 or self.G % 2:
+        raise ValueError(f"G={self.G}: expected an even group size >= 2 (G/2 from each pool)")
+    if self.pool_batch < self.G // 2:
+        raise ValueError(f"pool_batch={self.pool_batch}: expected >= G/2 = {self.G // 2}")
+    if not 1 <= self.fit_steps < self.pool_steps:
+        raise ValueError(f"fit_steps={self.fit_steps}: expected 1 <= fit_steps < pool_steps={self.pool_steps}")
+    if not self.lrs or min(self.lrs) <= 0: raise ValueError(f"lrs={self.lrs}: expected positive learning rates")
+    if bool(self.teacher_pool) != bool(self.base_pool):
+        raise ValueError(f"teacher_pool={self.teacher_pool!r}, base_pool={self.base_pool!r}: expected both (reuse "
+                         "two pools) or neither (build them)")
 
 # %% ../nbs/06b_phase2_run.ipynb #aa13abd8
 class Phase2Run:

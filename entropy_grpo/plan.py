@@ -103,6 +103,7 @@ def _adapter(s:dict, adapter:str, w:int) -> tuple[int, int, int]:
     if adapter == "delta_s": return s["delta_s"], w * s["svd_elements"] + 4 * s["delta_s"], 12  # U, S, Vh
     return s["params"], 0, 3 * w                                                # full: grad, m, v in the dtype
 
+# %% ../nbs/07b_plan.ipynb #a123e67b
 def _head(s:dict, run:RunShape, n:int, b:int) -> int:
     "Bytes of the LM head's pass over n completion positions in a b-byte dtype: their hiddens + one chunk's logits."
     return n * s["d"] * b + 4 * b * min(run.head_chunk_size, n) * s["vocab"]

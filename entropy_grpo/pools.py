@@ -204,7 +204,7 @@ def build_pool(
                  sum(r["hacked"] for r in records) / len(records))
     return load_pool(d)
 
-
+# %% ../nbs/04a_pools.ipynb #debc506c
 def _check_manifest(d:Path, settings:dict):
     "ValueError when the pool in `d` was built with other settings (its manifest, else its records); else the manifest."
     if (d/MANIFEST).exists(): old = json.loads((d/MANIFEST).read_text())

@@ -46,6 +46,7 @@ class BatchConfig:
         for k in ("E_total_sequences", "B_U", "G", "rollout_batch_size"):
             check_range(k, getattr(self, k), 1, integer=True)
 
+# %% ../nbs/04_probes.ipynb #24e21c36
 class ProbeComponents:
     "Samples E and U probe batches from a task through one SequenceProcessor."
     def __init__(self, model, tokenizer, task, generation:GenerationConfig|None=None,
@@ -335,6 +336,7 @@ def _verdict(rows, floor, factor, lo, hi, need, lr_step) -> dict:
     return dict(out, verdict="below noise floor", try_lrs=try_lrs,
                 detail=f"{len(q)} of {len(rows)} lrs clear {factor:g}× the floor {floor:.1e}; try lrs {try_lrs}")
 
+# %% ../nbs/04_probes.ipynb #2c6177ff
 def run_mixed_probe(
     sp:SequenceProcessor,
     E_batch:dict,

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+from fastcore.basics import patch
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -72,26 +73,29 @@ class TrainConfig:
         self.length_norm = check_length_norm(self.length_norm)
         self._check()
 
-    def _check(self):
-        for name, lo in (("steps", 1), ("prompts_per_step", 1), ("num_iterations", 1), ("warmup_steps", 0),
-                         ("checkpoint_every", 0), ("seed", 0), ("lora_r", 1), ("prompts_per_microbatch", 1)):
-            if getattr(self, name) is not None: check_range(name, getattr(self, name), lo, integer=True)
-        for name, lo, hi, lo_open in (("lr", 0, None, True), ("weight_decay", 0, None, False),
-                                      ("adam_beta1", 0, 1, False), ("adam_beta2", 0, 1, False),
-                                      ("adam_epsilon", 0, None, True), ("beta", 0, None, False),
-                                      ("lora_alpha", 0, None, True), ("lora_dropout", 0, 1, False)):
-            check_range(name, getattr(self, name), lo, hi, lo_open=lo_open, hi_open=hi == 1)
-        if self.max_grad_norm is not None: check_range("max_grad_norm", self.max_grad_norm, 0, lo_open=True)
-        _eps_pair(self.clip_eps); report_names(self.report_to)
-        check_choice("lr_scheduler", self.lr_scheduler, SCHEDULERS)
-        check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
-        check_choice("gradient_checkpointing", self.gradient_checkpointing, (None, "auto", True, False))
-        if not isinstance(self.arm, str) or not self.arm:
-            raise ValueError(f"arm={self.arm!r}: expected a non-empty name")
-
     def to_dict(self) -> dict:
         "JSON-ready dict; `TrainConfig(**d)` rebuilds the config."
         return json.loads(json.dumps(asdict(self)))
+
+# %% ../nbs/03a_training.ipynb #7af9c2b3
+@patch
+def _check(self:TrainConfig):
+    "Every field in range and every choice known (`__post_init__` calls it)."
+    for name, lo in (("steps", 1), ("prompts_per_step", 1), ("num_iterations", 1), ("warmup_steps", 0),
+                     ("checkpoint_every", 0), ("seed", 0), ("lora_r", 1), ("prompts_per_microbatch", 1)):
+        if getattr(self, name) is not None: check_range(name, getattr(self, name), lo, integer=True)
+    for name, lo, hi, lo_open in (("lr", 0, None, True), ("weight_decay", 0, None, False),
+                                  ("adam_beta1", 0, 1, False), ("adam_beta2", 0, 1, False),
+                                  ("adam_epsilon", 0, None, True), ("beta", 0, None, False),
+                                  ("lora_alpha", 0, None, True), ("lora_dropout", 0, 1, False)):
+        check_range(name, getattr(self, name), lo, hi, lo_open=lo_open, hi_open=hi == 1)
+    if self.max_grad_norm is not None: check_range("max_grad_norm", self.max_grad_norm, 0, lo_open=True)
+    _eps_pair(self.clip_eps); report_names(self.report_to)
+    check_choice("lr_scheduler", self.lr_scheduler, SCHEDULERS)
+    check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
+    check_choice("gradient_checkpointing", self.gradient_checkpointing, (None, "auto", True, False))
+    if not isinstance(self.arm, str) or not self.arm:
+        raise ValueError(f"arm={self.arm!r}: expected a non-empty name")
 
 # %% ../nbs/03a_training.ipynb #d8900106
 def step_problems(

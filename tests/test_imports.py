@@ -38,6 +38,9 @@ def test_modules_and_functions_stay_small(module):
     long = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(ast.parse(src))
             if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 62]
     assert not long, f"{module}: functions over 62 lines: {long}"
+    cells = [c.splitlines() for c in re.split(r"\n# %% ", src)[1:]]          # one chunk per exported notebook cell
+    big = [(c[0].rsplit(" ", 1)[-1], len(c)) for c in cells if len(c) > 61]
+    assert not big, f"{module}: export cells over 60 lines: {big}"
 
 
 def test_trl_stays_optional():
