@@ -16,8 +16,9 @@ from .utils import check_range
 from .kept_sets import _kept_indices, _listed_mask, _mask_lists
 
 # %% auto #0
-__all__ = ['check_sampling', 'warped_logits', 'naive_sampling_mask', 'token_stats', 'sampling_mask', 'sampling_logprobs',
-           'rb_entropy', 'truncated_log_softmax', 'naive_sampling_logprobs', 'naive_rb_entropy']
+__all__ = ['check_sampling', 'warped_logits', 'naive_sampling_mask', 'warped_logq', 'enumerate_entropy', 'token_stats',
+           'sampling_mask', 'sampling_logprobs', 'rb_entropy', 'truncated_log_softmax', 'naive_sampling_logprobs',
+           'naive_rb_entropy']
 
 # %% ../nbs/01_rb_entropy.ipynb #f691cd11
 def check_sampling(temperature, top_p, top_k, min_tokens_to_keep=1):
@@ -57,6 +58,27 @@ def naive_sampling_mask(logits:Tensor, temperature:float=1., top_p:float=1., top
                         min_tokens_to_keep:int=1) -> Tensor:
     "Reference kept set [..., V] bool: the tokens transformers' warpers leave finite."
     return warped_logits(logits, temperature, top_p, top_k, min_tokens_to_keep) != -math.inf
+
+# %% ../nbs/01_rb_entropy.ipynb #177c97f6
+def warped_logq(model, ids, temperature:float, top_p:float, top_k:int=0) -> Tensor:
+    "log q of transformers' warpers on a plain, unpadded forward: ids [L] -> [L-1, V]."
+    logits = model(torch.as_tensor(ids)[None]).logits[0, :-1]
+    return warped_logits(logits, temperature, top_p, top_k).log_softmax(-1)
+
+@torch.no_grad()
+def enumerate_entropy(model, prompt_ids:list, eos:int, V:int, max_new:int, temperature:float, top_p:float) -> float:
+    "Exact entropy (nats) of the sampled completion distribution after `prompt_ids`, every completion enumerated."
+    H, total, stack = 0.0, 0.0, [(list(prompt_ids), 0.0)]
+    while stack:
+        ids, lq = stack.pop()
+        q = warped_logq(model, ids + [eos], temperature, top_p)[-1]      # next-token log q after `ids`
+        for y in range(V):
+            if q[y] == float("-inf"): continue
+            lqy = lq + float(q[y])
+            if y == eos or len(ids) + 1 - len(prompt_ids) == max_new: H -= math.exp(lqy) * lqy; total += math.exp(lqy)
+            else: stack.append((ids + [y], lqy))
+    if abs(total - 1) > 1e-5: raise ValueError(f"enumerated mass {total}: expected 1 (V={V} too small for the model?)")
+    return H
 
 # %% ../nbs/01_rb_entropy.ipynb #dc414d90
 class _FullStats(torch.autograd.Function):
