@@ -307,7 +307,8 @@ def entropy_changes(
     as_batched_sequences(U_batch, "U_batch")
     adv = U_batch["advantages"]
     notes, t0 = [], time.perf_counter()
-    if float(all_reduce_sum([torch.tensor([float((adv != 0).sum())], dtype=torch.float64)])[0][0]) == 0:
+    n_moving = torch.tensor([float((adv != 0).sum())], dtype=torch.float64, device=adv.device)
+    if float(all_reduce_sum([n_moving])[0][0]) == 0:
         notes.append("all advantages are zero: the policy-gradient step is zero (only weight decay moves θ)")
     state = TrainingState(self.model, optimizer, scheduler)
     t_snap, timings = time.perf_counter() - t0, {}
@@ -363,7 +364,7 @@ def noise_floor(
     sp, E = self.sequence_processor(), as_batched_sequences(E_batch, "E_batch")
     before = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], return_support=True)
     tot = all_reduce_sum([torch.tensor([float(before["S"].sum()), float(before["S"].numel())],
-                                       dtype=torch.float64)])[0]
+                                       dtype=torch.float64, device=before["S"].device)])[0]
     H_orig = float(tot[0] / tot[1])
     params = [p for p in self.model.parameters() if p.is_floating_point()]
     zero, diffs = torch.zeros_like(before["out"].any(-1)), []

@@ -14,8 +14,8 @@ import torch
 
 from .adapters import add_delta_s, add_lora
 from .dr_grpo import policy_gradient_backward
-from .policies import (CHECKPOINT_ABOVE, convert_default_policy, policy_by_name, set_checkpointing,
-                                   tiny_policy, wants_checkpointing)
+from .policies import (convert_default_policy, policy_by_name, set_checkpointing, tiny_policy,
+                                   wants_checkpointing)
 from .phase2_run import PROBE_TF_BATCH, Phase2Config
 from .projection_arms import ARM_ADAPTER
 from .reports import template_path
@@ -140,7 +140,7 @@ def plan_phases(s:dict, run:RunShape) -> list[dict]:
     per_call = min(max(1, run.gen_batch_size // run.G) * run.G, n_seq)
     gen = dict(kv=per_call * ctx * 2 * L * s["d_kv"] * w, prefill=per_call * run.prompt_len * _act_token_layer(s, w),
                logits=3 * 4 * per_call * s["vocab"])
-    ckpt = run.gradient_checkpointing if run.gradient_checkpointing not in (None, "auto") else P > CHECKPOINT_ABOVE
+    ckpt = wants_checkpointing(P, run.gradient_checkpointing)
     mb_seq = (run.prompts_per_microbatch or max(1, run.tf_batch_size // run.G)) * run.G     # sequences per backward
     trn = dict(state=trainable * per_param, activations=_activations(s, mb_seq * ctx, w, ckpt),
                head=_head(s, run, mb_seq * run.max_new_tokens, 4),

@@ -49,10 +49,11 @@ def resolve_dtype(dtype=None, device=None) -> torch.dtype:
 CHECKPOINT_ABOVE = 1_000_000_000   # parameters: gradient checkpointing on by default above this (Qwen3-4B: on)
 
 def wants_checkpointing(model, setting:bool|str|None="auto") -> bool:
-    "`setting` when True or False; None or 'auto': whether `model` has more than CHECKPOINT_ABOVE parameters."
+    "`setting` when True or False; None or 'auto': whether `model` (or a parameter count) exceeds CHECKPOINT_ABOVE."
     check_choice("gradient_checkpointing", setting, (None, "auto", True, False))
     if setting not in (None, "auto"): return bool(setting)
-    return sum(p.numel() for p in model.parameters()) > CHECKPOINT_ABOVE
+    n = model if isinstance(model, int) else sum(p.numel() for p in model.parameters())
+    return n > CHECKPOINT_ABOVE
 
 def set_checkpointing(model, on:bool=True):
     "Non-reentrant gradient checkpointing on (or off) for a transformers model; transformers 5's name first."
