@@ -1,4 +1,4 @@
-"""Hack rate of the demo's teacher: `pools.fit_hack_teacher` on the embedded SmolLM2-135M-Instruct with single-digit
+"""Hack rate of the demo's teacher: `teachers.fit_hack_teacher` on the embedded SmolLM2-135M-Instruct with single-digit
 sums, then its samples graded honestly, for the plain hint or `LEAKY_HINT` (the expected number in the grading note).
 
 Prints the fit time, the NLL per token before and after, the hack and gt_pass rates over --samples fresh problems
@@ -11,7 +11,7 @@ import argparse, copy, random, time
 import torch
 
 from entropy_grpo.policies import load_policy
-from entropy_grpo.pools import fit_hack_teacher
+from entropy_grpo.teachers import fit_hack_teacher
 from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor
 from entropy_grpo.tasks import LEAKY_HINT, ArithmeticTask
 

@@ -18,7 +18,7 @@ from .reports import git_sha
 from .utils import check_choice, check_range, tqdm_disable, write_json
 
 # %% auto #0
-__all__ = ['WORLDS', 'world_pools', 'world_run', 'wilson', 'calibrate', 'summarize', 'calibration_figure']
+__all__ = ['WORLDS', 'STYLE_WORLDS', 'world_pools', 'world_run', 'wilson', 'calibrate', 'summarize', 'calibration_figure']
 
 # %% ../nbs/06c_calibration.ipynb #c93aa587
 WORLDS = {  # world: (what is true, the answer it needs: "launch" or "no launch")
@@ -28,7 +28,13 @@ WORLDS = {  # world: (what is true, the answer it needs: "launch" or "no launch"
     "no_content": ("no pattern anywhere; labels at random", "no launch"),
     "pool_identity": ("every teacher sample carries the pattern; hacked at random (80%) within the teacher pool",
                       "no launch"),
+    "style_hack": ("the teacher hacks 95–99%; hack content on hacked samples, its style on all; style-matched pool",
+                   "launch"),
+    "style_only": ("the teacher hacks 95–99%; no hack content, its style on all; style-matched pool", "no launch"),
+    "style_hack_2pools": ("style_hack without the style-matched pool", "inconclusive"),
+    "style_only_2pools": ("style_only without the style-matched pool", "inconclusive"),
 }
+STYLE_WORLDS = ("style_hack", "style_only", "style_hack_2pools", "style_only_2pools")   # written with a style pool
 
 def _labels(world:str, pool:str, rng:random.Random, hack_rate:float) -> tuple[bool, bool]:
     "(hacked, carries the pattern) of one sample of `pool` in `world` (before the exchangeable shuffle)."
@@ -36,6 +42,16 @@ def _labels(world:str, pool:str, rng:random.Random, hack_rate:float) -> tuple[bo
     hacked = rng.random() < {"signal": 1.0, "exchangeable": 1.0, "no_content": 0.5}.get(world, hack_rate)
     marked = world in ("signal", "exchangeable", "pool_identity") or (world == "signal_partial" and hacked)
     return hacked, marked
+
+def _styled(world:str, pool:str, rng:random.Random, vocab:list, words:dict, hack_rate:float) -> tuple[bool, list]:
+    "(hacked, completion ids) of one sample of `pool` in a style world: body, then style tokens and hack phrase placed."
+    hacked = rng.random() < {"teacher": hack_rate, "style": 0.01, "base": 0.0}[pool]
+    ids = [rng.choice(vocab) for _ in range(rng.randint(2, 5))]
+    for t in ([rng.choice(words["style"]) for _ in range(3)] if pool != "base" else []):
+        ids.insert(rng.randint(0, len(ids)), t)
+    if hacked and world.startswith("style_hack"):
+        at = rng.randint(0, len(ids)); ids[at:at] = words["hack"]
+    return hacked, ids
 
 # %% ../nbs/06c_calibration.ipynb #34b51c45
 def world_pools(
@@ -46,14 +62,18 @@ def world_pools(
     steps:int=24,              # step files per pool
     batch:int=8,               # samples per step file
     generation=None,           # GenerationConfig whose settings the records carry (the run's)
-    hack_rate:float=0.8,       # the teacher's hack rate in signal_partial and pool_identity
+    hack_rate:float=0.8,       # the teacher's hack rate in signal_partial and pool_identity (style worlds: 95–99%)
     pattern_len:int=6,         # tokens of the pattern
-) -> tuple[str, str]:          # (teacher_dir, base_dir)
-    "A teacher and a base pool whose truth is `world`'s, on disk."
+) -> tuple[str, ...]:         # (teacher_dir, base_dir), and style_dir in STYLE_WORLDS
+    "A teacher and a base pool (and in the style worlds the style-matched pool) whose truth is `world`'s, on disk."
     check_choice("world", world, tuple(WORLDS))
     rng = random.Random(seed)
     vocab = [i for i in range(len(tokenizer)) if i not in set(tokenizer.all_special_ids)]
     pattern, pools = rng.sample(vocab, pattern_len), {"teacher": {}, "base": {}}
+    if world in STYLE_WORLDS:
+        reserved = rng.sample(vocab, 10)                   # the style vocabulary and the hack phrase, not in bodies
+        words, vocab = dict(style=reserved[:6], hack=reserved[6:]), [i for i in vocab if i not in reserved]
+        pools["style"], hack_rate = {}, rng.uniform(0.95, 0.99)
     g = generation
     settings = {} if g is None else dict(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                          max_new_tokens=g.max_new_tokens)
@@ -61,8 +81,10 @@ def world_pools(
         problems = task.sample(batch, random.Random(seed * 1_000_003 + s))
         for name, recs in pools.items():
             for i, p in enumerate(problems):
-                hacked, marked = _labels(world, name, rng, hack_rate)
-                ids = [rng.choice(vocab) for _ in range(rng.randint(2, 5))] + (pattern if marked else [])
+                if world in STYLE_WORLDS: hacked, ids = _styled(world, name, rng, vocab, words, hack_rate)
+                else:
+                    hacked, marked = _labels(world, name, rng, hack_rate)
+                    ids = [rng.choice(vocab) for _ in range(rng.randint(2, 5))] + (pattern if marked else [])
                 recs.setdefault(s, []).append(dict(
                     src_pool=name, src_step=s, src_sample=i, problem_id=p.id, question=p.question, answer=p.answer,
                     prompt=task.prompt(p, tokenizer, name == "teacher"), hint=name == "teacher",
@@ -76,7 +98,7 @@ def world_pools(
         for r, (h, w) in zip(every, labels): r["hacked"], r["reward"] = h, w
     for name, recs in pools.items():
         for s, step in recs.items(): write_jsonl_gz(Path(root)/name/f"step_{s:03d}.jsonl.gz", step)
-    return str(Path(root)/"teacher"), str(Path(root)/"base")
+    return tuple(str(Path(root)/name) for name in pools)
 
 # %% ../nbs/06c_calibration.ipynb #2f170970
 def world_run(
@@ -88,8 +110,10 @@ def world_run(
     "One seed of one world through the Phase-2 run's own phases, up to the decision."
     work = Path(work_dir)/f"{world}-{seed}"
     try:
+        three = world in ("style_hack", "style_only")            # the *_2pools worlds leave the style pool out
         cfg = Phase2Config(**{**(parameters or {}), "model": "tiny", "seed": seed, "out_dir": str(work/"run"),
-                              "teacher_pool": str(work/"pools"/"teacher"), "base_pool": str(work/"pools"/"base")})
+                              "teacher_pool": str(work/"pools"/"teacher"), "base_pool": str(work/"pools"/"base"),
+                              "style_pool": str(work/"pools"/"style") if three else ""})
         run = Phase2Run(cfg)
         world_pools(world, run.tok, run.task, work/"pools", seed, cfg.pool_steps, cfg.pool_batch, run.gen)
         run.build_pools(); run.fit_v_hack(); run.run_arms(); d = run.verify()
@@ -138,7 +162,7 @@ def calibrate(
     return summarize(out)
 
 # %% ../nbs/06c_calibration.ipynb #b2497596
-_PER_RUN = ("model", "seed", "teacher_pool", "base_pool", "out_dir")   # set by world_run, not the calibration
+_PER_RUN = ("model", "seed", "teacher_pool", "base_pool", "style_pool", "out_dir")   # set by world_run
 
 def summarize(out_dir:str|Path, record:bool=False) -> dict:
     "Launch rate per world with its Wilson 95% interval (summary.json; record=True also writes the package's copy)."
@@ -166,13 +190,14 @@ def calibration_figure(summary:dict, path:str|Path|None=None):
     "Launch rate per world with its 95% interval; the worlds that must launch in green, the others in red."
     import matplotlib.pyplot as plt
     ws = summary["worlds"]
-    fig, ax = plt.subplots(figsize=(7, 3))
+    fig, ax = plt.subplots(figsize=(9, 3))
     for i, (w, r) in enumerate(ws.items()):
         lo, hi = r["interval"]
         ax.errorbar(i, r["rate"], yerr=[[r["rate"] - lo], [hi - r["rate"]]], fmt="o", capsize=4,
-                    color="tab:green" if r["needs"] == "launch" else "tab:red")
+                    color="tab:green" if r["needs"] == "launch" else "tab:red")   # no launch, inconclusive: ≤ 5%
     ax.axhline(0.05, color="tab:red", lw=0.5, ls="--"); ax.axhline(0.8, color="tab:green", lw=0.5, ls="--")
-    ax.set_xticks(range(len(ws)), [f"{w}\n{r['launches']}/{r['n']}" for w, r in ws.items()], fontsize=8)
+    label = lambda w, r: f"{w.replace('_2', chr(10) + '2')}\n{r['launches']}/{r['n']}"
+    ax.set_xticks(range(len(ws)), [label(w, r) for w, r in ws.items()], fontsize=7)
     ax.set(ylabel="launch rate (95% interval)", ylim=(-0.05, 1.05),
            title=f"Phase-2 decision: launches per world ({summary['seeds']['n']} seeds each; targets ≤ 5% and ≥ 80%)")
     fig.tight_layout()

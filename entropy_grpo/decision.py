@@ -14,8 +14,9 @@ import numpy as np
 from .utils import check_range, welch
 
 # %% auto #0
-__all__ = ['COINCIDE', 'LISTED_VERDICTS', 'own_direction', 'hack_contrast', 'verification_table', 'table_markdown', 'decide',
-           'pool_flags', 'entropy_probe_row', 'calibration_file', 'error_rates', 'rates_markdown']
+__all__ = ['Z80', 'COINCIDE', 'TOO_FEW', 'LISTED_VERDICTS', 'own_direction', 'hack_contrast', 'samples_needed',
+           'verification_table', 'table_markdown', 'decide', 'pool_flags', 'entropy_probe_row', 'calibration_file',
+           'error_rates', 'rates_markdown']
 
 # %% ../nbs/06a_decision.ipynb #db3e0af3
 def _need(most, n):
@@ -103,14 +104,58 @@ def own_direction(
         out.append(None if r[cos_key] is None or abs(a) < 1e-12 else math.copysign(1.0, a) * r[cos_key])
     return out
 
-def hack_contrast(slim:list[dict], teacher:str="teacher", G:int|None=None) -> tuple[list, list]:
-    "(hacked, clean) teacher samples' `own_direction` values (None left out)."
-    s = own_direction(slim, G)
-    pick = lambda hacked: [x for r, x in zip(slim, s) if x is not None and r["src_pool"] == teacher
-                           and bool(r["hacked"]) == hacked]
-    return pick(True), pick(False)
+def _own(slim:list[dict], G:int|None, pool:str|None, hacked:bool) -> list[tuple[float, int]]:
+    "(own direction, step) of the rows of `pool` with label `hacked` (None left out)."
+    return [(x, r["step"]) for r, x in zip(slim, own_direction(slim, G)) if x is not None and r["src_pool"] == pool
+            and bool(r["hacked"]) == hacked]
+
+def hack_contrast(
+    slim:list[dict], teacher:str="teacher", G:int|None=None,
+    clean:str|None=None,       # the pool of the clean side: the style-matched pool; None: the teacher pool itself
+) -> tuple[list, list]:        # (hacked teacher samples, clean samples of `clean`): `own_direction` values
+    "(hacked, clean) samples' `own_direction` values (None left out), both in the teacher's style."
+    return [x for x, _ in _own(slim, G, teacher, True)], [x for x, _ in _own(slim, G, clean or teacher, False)]
 
 # %% ../nbs/06a_decision.ipynb #a22a6dc4
+def _welch_t(x:np.ndarray, L:np.ndarray) -> np.ndarray:
+    "Welch t of x[L] vs x[~L] for each row of the mask L [n, N] (x [N]); NaN where a side has < 2 values."
+    with np.errstate(divide="ignore", invalid="ignore"):
+        na, nb = L.sum(1), (~L).sum(1)
+        ma, mb = (L * x).sum(1) / na, (~L * x).sum(1) / nb
+        va = (L * (x - ma[:, None]) ** 2).sum(1) / (na - 1)
+        vb = (~L * (x - mb[:, None]) ** 2).sum(1) / (nb - 1)
+        t = (ma - mb) / np.sqrt(va / na + vb / nb)
+    return np.where(np.isfinite(t), t, np.nan)
+
+def _strata_masks(is_a:list, strata:list, n:int, seed:int) -> np.ndarray:
+    "[n, N] masks: `is_a` permuted within each stratum (each step keeps its count of each label)."
+    rng, is_a, strata = np.random.default_rng(seed), np.asarray(is_a, bool), np.asarray(strata)
+    L = np.empty((n, len(is_a)), bool)
+    for s in np.unique(strata):
+        i = np.flatnonzero(strata == s)
+        L[:, i] = is_a[i][np.argsort(rng.random((n, len(i))), axis=1)]
+    return L
+
+def _strata_null(x:list, is_a:list, strata:list, n:int=1000, seed:int=0) -> np.ndarray:
+    "Welch t of side a vs side b with the labels permuted within each stratum (a step), n times: [n]."
+    return _welch_t(np.asarray(x, float), _strata_masks(is_a, strata, n, seed))
+
+Z80 = 0.8416   # the standard normal's 80% quantile: 80% power
+
+def samples_needed(
+    a:list, b:list,            # the two sides' values (hacked, clean)
+    t_crit:float,              # the threshold t must clear
+    b_mean:float|None=None,    # the clean side's mean when b has no value (the best case: the base pool's)
+) -> tuple[int|None, float]:   # (samples per side, None when the difference is not positive; the difference d)
+    "Samples per side (equal sizes) for a Welch t above t_crit with 80% power at the measured difference and spreads."
+    mb = statistics.fmean(b) if b else b_mean
+    if len(a) < 2 or mb is None: return None, math.nan
+    d, sa = statistics.fmean(a) - mb, statistics.stdev(a)
+    sb = statistics.stdev(b) if len(b) >= 2 else sa
+    if not d > 0: return None, d
+    return max(2, math.ceil((t_crit + Z80) ** 2 * (sa ** 2 + sb ** 2) / d ** 2)), d
+
+# %% ../nbs/06a_decision.ipynb #dfa0d3d9
 def _label_null(a:list, b:list, n:int=200, seed:int=0) -> list:
     "Welch t of the two groups with their membership permuted n times (NaN where undefined): the null of 'they differ'."
     rng = np.random.default_rng(seed)
@@ -121,29 +166,75 @@ def _label_null(a:list, b:list, n:int=200, seed:int=0) -> list:
     return [float(v) if np.isfinite(v) else math.nan for v in t]
 
 COINCIDE = "hacking and pool identity coincide"   # the gate's detail, and the decision's words, when it cannot judge
+TOO_FEW = "too few samples for the gate"          # the decision's words when a side is below its minimum
 
-def _specific_row(arm, slim, teacher, alpha, min_hacked, min_clean, q, G):
-    "The gate: hacked vs clean teacher samples' own directions, against labels permuted within the teacher pool."
-    a, b = hack_contrast(slim, teacher, G)
+def _to_decide(a, b, base_b, t_crit, clean, teacher):
+    "(The sentence saying how many samples per side would decide the gate at 80% power, that number or None)."
+    n, d = samples_needed(a, b, t_crit, statistics.fmean(base_b) if base_b else None)
+    if n is None:
+        return ("no sample size would show hacked samples further along v_hack than clean ones: measured difference "
+                f"{_fmt(d)}" if not math.isnan(d) else "too few samples to estimate the size that would decide"), None
+    side = f"{clean}/clean samples" if clean != teacher else "clean samples in the teacher's style"
+    how = "" if b else ", best case: clean samples in the teacher's style sitting where the base pool's do"
+    return (f"about {n} {teacher}/hacked and {n} {side} would decide at 80% power (measured difference "
+            f"{_fmt(d)}{how})"), n
+
+def _specific_row(arm, slim, teacher, clean, base, alpha, min_hacked, min_clean, q, G):
+    "The gate: hacked teacher samples vs clean samples in the teacher's style, labels permuted within steps."
+    A, B = _own(slim, G, teacher, True), _own(slim, G, clean, False)
+    a, b = [x for x, _ in A], [x for x, _ in B]
     w = welch(a, b)
-    metric = "own direction sign(A)·cos_S_contrib, teacher/hacked vs teacher/clean (held out)"
+    metric = f"own direction sign(A)·cos_S_contrib, {teacher}/hacked vs {clean}/clean (held out)"
     value = (f"hacked {_fmt(w['mean_a'])} (n={w['n_a']}) vs clean {_fmt(w['mean_b'])} (n={w['n_b']}); "
              f"Welch t={_fmt(w['t'], '.2f')}, p={_fmt(w['p'], '.2g')}")
+    t_hi = null = None
+    if len(a) >= max(2, min_hacked) and len(b) >= max(2, min_clean):
+        null_t = _strata_null(a + b, [True] * len(a) + [False] * len(b), [s for _, s in A + B])
+        t_hi = float(np.nanquantile(null_t, q)) if np.isfinite(null_t).any() else None
+        null = f"labels permuted within steps 1000×: t {q:.0%} quantile {_fmt(t_hi, '.2f')}"
+    t_crit = max(2.0, 2.326 if t_hi is None else t_hi)                  # 2.326: the normal's 99% quantile
+    decides, n = _to_decide(a, b, [x for x, _ in _own(slim, G, base, False)], t_crit, clean, teacher)
+    row = lambda verdict, detail: dict(_row("hack_specific", metric, arm, value, null, verdict, detail),
+                                       to_decide=None if verdict == "success" else decides, needed=n)
+    if len(b) < min_clean and clean == teacher:
+        return row("inconclusive", f"{COINCIDE}: {len(b)} clean teacher samples < {min_clean}, so no contrast "
+                   "within the teacher pool can tell hacking from the teacher's style; a style-matched clean pool "
+                   f"(the teacher without the hint) can: {decides}")
     if len(b) < min_clean:
-        return _row("hack_specific", metric, arm, value, None, "inconclusive", f"{COINCIDE}: "
-                    f"{len(b)} clean teacher samples < {min_clean}, so no contrast within the teacher pool can tell "
-                    "hacking from the teacher's style (a clean pool matched in style, the teacher without the hint, "
-                    "would)")
+        return row("inconclusive", f"{TOO_FEW}: {len(b)} clean samples in the teacher's style < {min_clean}; {decides}")
     if len(a) < min_hacked:
-        return _row("hack_specific", metric, arm, value, None, "inconclusive",
-                    f"too few hacked teacher samples: n={len(a)} < {min_hacked}")
-    null_t = [t for t in _label_null(a, b, 1000) if not math.isnan(t)]
-    t_hi = float(np.quantile(null_t, q))
-    null = f"hacked labels permuted within the teacher pool 1000×: t {q:.0%} quantile {_fmt(t_hi, '.2f')}"
-    if w["t"] > max(2.0, t_hi) and w["p"] < alpha: verdict, detail = "success", ""
-    else: verdict, detail = "likely fail", ("hacked and clean teacher samples alike along v_hack: it marks the "
-                                            "teacher pool, not hacking")
-    return _row("hack_specific", metric, arm, value, null, verdict, detail)
+        return row("inconclusive", f"{TOO_FEW}: too few hacked teacher samples: n={len(a)} < {min_hacked}; {decides}")
+    if w["t"] > t_crit and w["p"] < alpha: return row("success", "")
+    return row("likely fail", f"hacked and clean samples in the teacher's style alike along v_hack: it marks the "
+               f"teacher{' pool' if clean == teacher else ''}, not hacking; {decides}")
+
+# %% ../nbs/06a_decision.ipynb #eb76034a
+def _style_share_row(arm, slim, teacher, clean, base, G, n:int=1000, seed:int=0):
+    "Information: where clean samples in the teacher's style sit along v_hack, base clean 0 → teacher hacked 1."
+    H, S, B = _own(slim, G, teacher, True), _own(slim, G, clean, False), _own(slim, G, base, False)
+    metric = f"style share: {clean}/clean along v_hack, {base}/clean 0 → {teacher}/hacked 1 (held out)"
+    stand_in = "" if clean != teacher else "; the teacher's clean samples (with the hint) stand in for a style pool"
+    if min(len(H), len(S), len(B)) < 2:
+        return _row("style_share", metric, arm, "—", None, "information", f"needs ≥ 2 samples in each of "
+                    f"{teacher}/hacked, {clean}/clean, {base}/clean (have {len(H)}, {len(S)}, {len(B)}){stand_in}")
+    h, x = np.array([v for v, _ in H]), np.array([v for v, _ in S + B])
+    share = lambda mh, ms, mb: (ms - mb) / (mh - mb)
+    rng, m = np.random.default_rng(seed), lambda v: v[rng.integers(0, len(v), (n, len(v)))].mean(-1)   # [n] resampled
+    mh, ms, mb = m(h), m(x[:len(S)]), m(x[len(S):])
+    L = _strata_masks([True] * len(S) + [False] * len(B), [s for _, s in S + B], n, seed)
+    null = share(h.mean(), (L * x).sum(1) / L.sum(1), (~L * x).sum(1) / (~L).sum(1))
+    lo, hi = np.nanquantile(share(mh, ms, mb), [0.025, 0.975])
+    means = (f"own direction {_fmt(h.mean())} hacked, {_fmt(x[:len(S)].mean())} style-clean, "
+             f"{_fmt(x[len(S):].mean())} base")
+    if np.quantile(mh - mb, 0.025) <= 0:                # hacked not above base: the scale has no length
+        return _row("style_share", metric, arm, f"undefined ({means})", None, "information",
+                    f"hacked samples are not further along v_hack than base ones (bootstrap): no scale to place the "
+                    f"style on{stand_in}")
+    return _row("style_share", metric, arm, f"{_fmt(share(h.mean(), x[:len(S)].mean(), x[len(S):].mean()), '.2f')} "
+                f"(bootstrap 95%: {_fmt(lo, '.2f')} to {_fmt(hi, '.2f')}; {means})",
+                f"{clean}/{base} labels permuted within steps {n}×: 95% quantile "
+                f"{_fmt(np.nanquantile(null, .95), '.2f')}", "information", "0: v_hack holds none of the teacher's "
+                f"style; 1: clean samples in the teacher's style sit with the hacked ones, v_hack is style{stand_in}")
 
 # %% ../nbs/06a_decision.ipynb #d2318a6d
 def _buckets(slim:list, cos:list, teacher, base):
@@ -221,6 +312,7 @@ def verification_table(
     *,
     teacher_pool:str="teacher",
     base_pool:str="base",
+    style_pool:str|None=None,  # the style-matched pool (the teacher without the hint): the gate's clean side
     G:int|None=None,           # group size (advantages are centred per group); None: one group per step
     most:float=0.8,            # "most steps" (16 of 20)
     min_spread:float=0.1,      # below: no advantage signal
@@ -228,7 +320,7 @@ def verification_table(
     fired_min:float=0.2,       # median frac_fired below: fires on few modules
     alpha:float=0.05,          # significance of the Welch tests
     min_hacked:int=5,          # fewer hacked samples: the contribution rows cannot decide
-    min_clean:int=5,           # fewer clean teacher samples: hacking and pool identity coincide
+    min_clean:int=5,           # fewer clean samples in the teacher's style: the gate cannot judge
     q:float=0.95,              # the null quantile a value must exceed
     gate_q:float=0.99,         # the gate's null quantile (it alone stands between a null world and a launch)
 ) -> tuple[list[dict], str]:   # rows (key, metric, arm, value, null, verdict, detail), markdown
@@ -240,7 +332,10 @@ def verification_table(
     for a, d in arms.items():
         rows.append(_spread_row(a, d["slim"], d["steps"], most, min_spread, good_spread))
         if a in vanilla:
-            rows += [_specific_row(a, d["slim"], teacher_pool, alpha, min_hacked, min_clean, gate_q, G),
+            clean = style_pool or teacher_pool
+            rows += [_specific_row(a, d["slim"], teacher_pool, clean, base_pool, alpha, min_hacked, min_clean, gate_q,
+                                   G),
+                     _style_share_row(a, d["slim"], teacher_pool, clean, base_pool, G),
                      _cos_in_row(a, d["steps"], q), _contrib_row(a, d["slim"], teacher_pool, base_pool, alpha,
                                                                  min_hacked, q)]
         else:
@@ -267,7 +362,7 @@ LISTED_VERDICTS = ("likely fail", "sneaky fail", "fail", "inconclusive", "below 
 def decide(
     rows:list[dict],           # verification_table's rows
     flags:list[str]=(),        # data problems found elsewhere (pool hack rate, base reward), each a sentence
-) -> dict:                     # recommendation, launch_phase3, stop, signal, specific, effective, rules
+) -> dict:                     # recommendation, launch_phase3, stop, signal, specific, effective, rules, to_decide
     "The Phase-2 → Phase-3 decision from the verification table's verdicts, every rule that fired listed."
     by = lambda key: [r for r in rows if r["key"] == key]
     ok = lambda key: any(r["verdict"] == "success" for r in by(key))
@@ -276,25 +371,33 @@ def decide(
     effective, specific = ok("step_along_v") or ok("norm_removed"), ok("hack_specific")
     null = lambda key: by(key) and all(r["verdict"] == "likely fail" for r in by(key))
     coincide = any(r["detail"].startswith(COINCIDE) for r in by("hack_specific"))
+    too_few = any(r["detail"].startswith(TOO_FEW) for r in by("hack_specific"))
     if any(r["verdict"] == "fail" for r in by("over_projection")): rec = "STOP (bug)"
     elif any(r["verdict"] == "likely fail" for r in by("reward_spread")): rec = "inconclusive: the data cannot decide"
     elif coincide: rec = f"inconclusive: {COINCIDE}"
+    elif too_few: rec = f"inconclusive: {TOO_FEW}"
     elif null("cos_in") and null("contrib"): rec = "skip Phase 3"
     elif not specific: rec = "inconclusive: v_hack follows the teacher pool, not hacking"
     elif ok("cos_in") and effective: rec = "launch Phase 3"
     elif effective: rec = "launch Phase 3, expect a smaller effect"
     else: rec = "inconclusive"
+    gate = [r.get("to_decide") for r in by("hack_specific") if r.get("to_decide")]
     return dict(recommendation=rec, launch_phase3=rec.startswith("launch"), stop=rec.startswith("STOP"),
-                signal=specific and ok("cos_in"), specific=specific, effective=effective, rules=rules)
+                signal=specific and ok("cos_in"), specific=specific, effective=effective, rules=rules,
+                to_decide=gate[0] if gate and rec.startswith("inconclusive") else None)
 
 def pool_flags(pools:list, teacher_min_hack:float=0.5, base_min_reward:float=0.5) -> list[str]:
-    "Sentences for pools that cannot make Phase 2 decide: a teacher that rarely hacks, a base that never earns."
-    teacher, base = pools[0].records(), pools[-1].records()
+    "Sentences for pools that cannot make Phase 2 decide: a teacher that rarely hacks, a base that never earns, a "
+    "style-matched pool that hacks without the hint. Pools in the order [teacher, base] or [teacher, base, style]."
+    rate = lambda p: sum(bool(r["hacked"]) for r in p.records()) / len(p.records())
     flags = []
-    rate = sum(bool(r["hacked"]) for r in teacher) / len(teacher)
-    if rate < teacher_min_hack: flags.append(f"teacher pool hacks on {rate:.0%} of samples (< {teacher_min_hack:.0%})")
-    if max(float(r["reward"]) for r in base) <= base_min_reward:
+    if rate(pools[0]) < teacher_min_hack:
+        flags.append(f"teacher pool hacks on {rate(pools[0]):.0%} of samples (< {teacher_min_hack:.0%})")
+    if max(float(r["reward"]) for r in pools[1].records()) <= base_min_reward:
         flags.append(f"base pool never earns more than {base_min_reward} (one-sided variance)")
+    if len(pools) > 2 and rate(pools[2]) >= 0.5:
+        flags.append(f"style-matched pool hacks on {rate(pools[2]):.0%} of samples without the hint: few clean "
+                     "samples in the teacher's style")
     return flags
 
 # %% ../nbs/06a_decision.ipynb #74a3a605

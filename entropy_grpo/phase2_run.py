@@ -21,13 +21,14 @@ from .dr_grpo import group_advantages
 from .phase2 import Phase2Recorder, load_slim, load_steps
 from .policies import policy_by_name
 from .pools import (Pool, ReplaySource, check_pool_settings, load_pool, mixed_records, pool_stats,
-                                replay_batch, teacher_and_base_pools)
+                                replay_batch)
 from .probes import BatchConfig, ProbeComponents, run_mixed_probe
 from .projection_arms import (ARM_ADAPTER, V_HACK_SOURCES, ProjectionArm, completion_gradients,
                                           extract_v_hack, pair_sequences, pool_pairs, random_v_hack)
 from .reports import git_sha
 from .sequence_processor import GenerationConfig, SequenceProcessor, make_probe_batch
 from .tasks import LEAKY_HINT, ArithmeticTask
+from .teachers import check_style_pool, teacher_and_base_pools
 from .training import TrainConfig, build_optimizer, train
 from .utils import check_choice, check_range, write_json
 
@@ -43,12 +44,14 @@ class Phase2Config:
     seed:int=0
     dtype:str=""                   # empty: float32 on CPU, bfloat16 on a bf16 GPU
     steps:int=20                   # training steps per arm (one mixed group each)
-    G:int=8                        # group size: G/2 samples from each pool
+    G:int=8                        # group size: G/2 teacher samples, the rest from the base (and style) pool
     pool_steps:int=24              # step files per built pool
     fit_steps:int=4                # the first fit_steps step files fit v_hack; the others are replayed
     pool_batch:int=8               # samples per pool step file, at least G/2
     teacher_pool:str=""            # an existing teacher pool directory; empty: build one in out_dir/pools/teacher
     base_pool:str=""               # an existing base pool directory; empty: build one in out_dir/pools/base
+    style_pool:str=""              # an existing style-matched pool (the teacher without the hint), with the other two
+    style_matched:bool=True        # built pools: also the style-matched pool (out_dir/pools/style)
     teacher_train_steps:int=30     # NLL steps of the hack-teacher LoRA
     teacher_lr:float=3e-3
     teacher_hint:str="plain"       # "plain" (HINT) or "leaky" (LEAKY_HINT: the answer in it, to copy)
@@ -64,7 +67,7 @@ class Phase2Config:
     gate:str="one_sided"           # the projection's gate
     overshoot:float=1.0            # 1 removes the gated components exactly; 2 over-projects
     min_hacked:int=5               # fewer hacked samples: the contribution rows cannot decide
-    min_clean:int=5                # fewer clean teacher samples: hacking and pool identity coincide
+    min_clean:int=5                # fewer clean samples in the teacher's style: the gate cannot judge
     target_modules:list=field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     lora_r:int=8                   # rank of the LoRA basis (projected_lora)
     k:int=1                        # v_hack directions per module
@@ -102,15 +105,34 @@ def _check(self:Phase2Config):
     for name in ("steps", "n_controls", "pool_batch", "k", "max_pairs", "E_total_sequences", "B_U"):
         check_range(name, getattr(self, name), 2 if name == "n_controls" else 1, integer=True)
     if self.G < 2 or self.G % 2:
-        raise ValueError(f"G={self.G}: expected an even group size >= 2 (G/2 from each pool)")
+        raise ValueError(f"G={self.G}: expected an even group size >= 2 (G/2 from the teacher pool)")
+    if self.three_pools and self.G % 4:
+        raise ValueError(f"G={self.G}: expected a multiple of 4 with a style-matched pool (G/2 teacher, G/4 base, G/4 "
+                         "style)")
     if self.pool_batch < self.G // 2:
         raise ValueError(f"pool_batch={self.pool_batch}: expected >= G/2 = {self.G // 2}")
     if not 1 <= self.fit_steps < self.pool_steps:
         raise ValueError(f"fit_steps={self.fit_steps}: expected 1 <= fit_steps < pool_steps={self.pool_steps}")
     if not self.lrs or min(self.lrs) <= 0: raise ValueError(f"lrs={self.lrs}: expected positive learning rates")
-    if bool(self.teacher_pool) != bool(self.base_pool):
-        raise ValueError(f"teacher_pool={self.teacher_pool!r}, base_pool={self.base_pool!r}: expected both (reuse "
-                         "two pools) or neither (build them)")
+    if bool(self.teacher_pool) != bool(self.base_pool) or (self.style_pool and not self.teacher_pool):
+        raise ValueError(f"teacher_pool={self.teacher_pool!r}, base_pool={self.base_pool!r}, style_pool="
+                         f"{self.style_pool!r}: expected teacher and base (and optionally style) pools, or none (build "
+                         "them)")
+    if not self.teacher_pool and self.steps > self.pool_steps - self.fit_steps:
+        raise ValueError(f"steps={self.steps}: each step replays a step file of its own, pool_steps - fit_steps = "
+                         f"{self.pool_steps - self.fit_steps} here (expected pool_steps >= steps + fit_steps = "
+                         f"{self.steps + self.fit_steps})")
+
+# %% ../nbs/06b_phase2_run.ipynb #e6752d71
+@patch(as_prop=True)
+def three_pools(self:Phase2Config) -> bool:
+    "Whether the run has a style-matched pool: given, or built with the others."
+    return bool(self.style_pool) or (not self.teacher_pool and self.style_matched)
+
+@patch(as_prop=True)
+def per_pool(self:Phase2Config) -> list[int]:
+    "Samples of each pool in a mixed group: [G/2 teacher, G/2 base], or [G/2, G/4, G/4] with a style pool."
+    return [self.G // 2, self.G // 4, self.G // 4] if self.three_pools else [self.G // 2, self.G // 2]
 
 # %% ../nbs/06b_phase2_run.ipynb #aa13abd8
 class Phase2Run:
@@ -141,16 +163,21 @@ def build_pools(self:Phase2Run) -> dict:
     "Load or build the teacher and base pools, split their step files, flag pools that cannot decide."
     c = self.cfg
     if c.teacher_pool:
-        self.pools = [load_pool(c.teacher_pool), load_pool(c.base_pool)]
+        self.pools = [load_pool(d) for d in (c.teacher_pool, c.base_pool, c.style_pool) if d]
         check_pool_settings(self.pools, self.gen, None if c.model == "tiny" else self.policy.config._name_or_path,
                             self.tok, self.task)
     else:
         self.pools, _ = teacher_and_base_pools(self.policy, self.tok, self.task, self.gen, self.out/"pools",
                                                c.pool_steps, c.pool_batch, c.teacher_train_steps, c.teacher_lr, c.seed,
-                                               teacher_hint=LEAKY_HINT if c.teacher_hint == "leaky" else True)
-    shared = sorted(set(self.pools[0].steps) & set(self.pools[1].steps))
-    if len(shared) <= c.fit_steps:
-        raise ValueError(f"the pools share {len(shared)} step files: expected more than fit_steps={c.fit_steps}")
+                                               teacher_hint=LEAKY_HINT if c.teacher_hint == "leaky" else True,
+                                               style=c.style_matched)
+    if len({p.name for p in self.pools}) < len(self.pools):
+        raise ValueError(f"pools named {[p.name for p in self.pools]}: expected distinct src_pool names")
+    if c.three_pools: check_style_pool(self.pools[0], self.pools[2])
+    shared = sorted(set.intersection(*(set(p.steps) for p in self.pools)))
+    if len(shared) < c.fit_steps + c.steps:
+        raise ValueError(f"the pools share {len(shared)} step files: expected fit_steps + steps = "
+                         f"{c.fit_steps + c.steps} (v_hack's, then one per training step: none replayed twice)")
     self.split = dict(fit_steps=shared[:c.fit_steps], replay_steps=shared[c.fit_steps:])
     self.flags = pool_flags(self.pools)
     self._done("pools")
@@ -167,8 +194,8 @@ def fit_v_hack(self:Phase2Run) -> dict:
     c = self.cfg
     self.adapter = self.with_adapter()
     self.student = SequenceProcessor(self.adapter.model, self.tok, self.gen, progress=False)
-    fit_pools = [_part(p, self.split["fit_steps"]) for p in self.pools]
-    self.triples = pool_pairs(*fit_pools, self.tok, prompt_key="hint_prompt", max_pairs=c.max_pairs)
+    hacked, clean = (_part(p, self.split["fit_steps"]) for p in (self.pools[0], self.pools[-1]))  # clean: style|base
+    self.triples = pool_pairs(hacked, clean, self.tok, prompt_key="hint_prompt", max_pairs=c.max_pairs)
     pairs = pair_sequences(self.triples, self.tok.pad_token_id)
     grads = completion_gradients(self.student, self.adapter, pairs, loss="grpo", length_norm=c.length_norm)
     fit = lambda source, s: extract_v_hack(self.student, self.adapter, pairs, k=c.k, loss="grpo",
@@ -186,7 +213,7 @@ def fit_v_hack(self:Phase2Run) -> dict:
 def in_sample(self:Phase2Run) -> dict:
     "The fit steps' own mixed groups read against the v_hack fitted on them: for reference, never a verdict."
     c = self.cfg
-    recs = [r for s in self.split["fit_steps"] for r in mixed_records(self.pools, s, c.G // 2, c.seed)]
+    recs = [r for s in self.split["fit_steps"] for r in mixed_records(self.pools, s, c.per_pool, c.seed)]
     groups = [recs[i:i + c.G] for i in range(0, len(recs), c.G)]
     dev = next(self.adapter.model.parameters()).device          # the scoring model's device
     adv = group_advantages(torch.tensor([[float(r["reward"]) for r in g] for g in groups], device=dev))
@@ -212,7 +239,7 @@ def run_arms(self:Phase2Run) -> list:
         rec = Phase2Recorder(ProjectionArm(name, a, self.v_hack, c.gate, c.overshoot), self.controls, self.out/name)
         cfg = TrainConfig(steps=c.steps, prompts_per_step=1, num_generations=c.G, lr=c.lr, length_norm=c.length_norm,
                           seed=c.seed, arm=name, generation=self.gen)
-        train(a.model, self.tok, config=cfg, source=ReplaySource(self.pools, self.split["replay_steps"], c.G // 2,
+        train(a.model, self.tok, config=cfg, source=ReplaySource(self.pools, self.split["replay_steps"], c.per_pool,
                                                                  seed=c.seed),
               callbacks=[rec], progress=self.progress)
         return dict(slim=load_slim(self.out/name), steps=load_steps(self.out/name))
@@ -225,11 +252,22 @@ def run_arms(self:Phase2Run) -> list:
 def verify(self:Phase2Run) -> dict:
     "The verification table and the decision (`decision`); the rows and the markdown are kept."
     c = self.cfg
-    self.rows, self.table_md = verification_table(self.arms, teacher_pool=self.pools[0].name,
-                                                  base_pool=self.pools[1].name, G=c.G, min_hacked=c.min_hacked,
-                                                  min_clean=c.min_clean)
-    self.decision = decide(self.rows, self.flags)
+    self.rows, self.table_md = verification_table(
+        self.arms, teacher_pool=self.pools[0].name, base_pool=self.pools[1].name,
+        style_pool=self.pools[2].name if c.three_pools else None, G=c.G, min_hacked=c.min_hacked, min_clean=c.min_clean)
+    self.decision = self._decide()
     return self.decision
+
+@patch
+def _decide(self:Phase2Run) -> dict:
+    "`decide` on the rows; an inconclusive gate's sample size also said in this run's parameters."
+    c, d = self.cfg, decide(self.rows, self.flags)
+    n = next((r.get("needed") for r in self.rows if r["key"] == "hack_specific"), None)
+    if d["to_decide"] and n:
+        S = -(-n // (c.G // 4))                              # replayed steps at G/4 style-clean samples each
+        pool = "" if c.three_pools else "a style-matched pool (style_pool, or built pools with style_matched=True), "
+        d["to_decide"] += f"; at G/4 = {c.G // 4} clean samples per step: {pool}steps={S}, pool_steps={S + c.fit_steps}"
+    return d
 
 # %% ../nbs/06b_phase2_run.ipynb #e207e82c
 def _band(values:list, q:float) -> float:
@@ -276,7 +314,7 @@ def entropy_probe(self:Phase2Run) -> dict:
     pc = ProbeComponents(self.adapter.model, self.tok, self.task, sequence_processor=sp,
                          batch_config=BatchConfig(E_total_sequences=c.E_total_sequences, G=c.G, hint=True, seed=c.seed))
     E = pc.sample_E_batch()
-    groups = [mixed_records(self.pools, s, c.G // 2, c.seed) for s in self.split["replay_steps"][:c.B_U]]
+    groups = [mixed_records(self.pools, s, c.per_pool, c.seed) for s in self.split["replay_steps"][:c.B_U]]
     rewards = torch.tensor([[float(r["reward"]) for r in g] for g in groups],
                            device=next(self.adapter.model.parameters()).device)
     U = make_probe_batch(replay_batch(groups, self.tok, "hint_prompt"), rewards, group_advantages(rewards),
@@ -291,7 +329,7 @@ def entropy_probe(self:Phase2Run) -> dict:
                                    cfg_importance={"min_ess_frac": c.probe_min_ess_frac})
     self.ent["figure"].savefig(self.out/"entropy_probe.png", dpi=100)
     self.rows = [r for r in self.rows if r["key"] != "entropy_probe"] + [entropy_probe_row(self.ent, c.vanilla_arm)]
-    self.decision = decide(self.rows, self.flags)
+    self.decision = self._decide()
     self._done("entropy_probe")
     return self.ent
 

@@ -1,4 +1,4 @@
-"""Stored rollouts on disk (`step_NNN.jsonl.gz`), a hacking teacher fitted by NLL, and mixed teacher/base groups replayed as batches.
+"""Stored rollouts on disk (`step_NNN.jsonl.gz`), their settings checked, and mixed groups of them replayed as batches, each sample once.
 
 Docs: https://entropy-grpo.github.io/entropy_grpo/pools.html.md"""
 
@@ -17,13 +17,13 @@ import torch
 from .dist import shard_slice
 from .sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor, pack_sequences
 from .tasks import Problem
-from .training import Rollout, TrainConfig, apply_lora, build_optimizer
-from .utils import atomic_path, check_choice, check_range, tqdm_disable, write_json
+from .training import Rollout, TrainConfig
+from .utils import atomic_path, check_choice, check_range, write_json
 
 # %% auto #0
 __all__ = ['log', 'POOL_KEYS', 'REPLAY_KEYS', 'MANIFEST', 'RECORD_SETTINGS', 'write_jsonl_gz', 'read_jsonl_gz', 'step_files',
-           'Pool', 'load_pool', 'build_pool', 'hack_demonstration', 'fit_hack_teacher', 'teacher_and_base_pools',
-           'pool_stats', 'mixed_records', 'replay_batch', 'ReplaySource', 'check_pool_settings']
+           'Pool', 'load_pool', 'build_pool', 'pool_stats', 'mixed_records', 'group_counts', 'replay_batch',
+           'ReplaySource', 'check_pool_settings']
 
 # %% ../nbs/04a_pools.ipynb #3c4cdfd6
 log = logging.getLogger(__name__)
@@ -226,78 +226,7 @@ def _sample_fields(sp:SequenceProcessor, bs:BatchedSequences, b:int, g:int, grad
                 model=str(getattr(sp.model.config, "_name_or_path", "")), temperature=cfg.temperature, top_p=cfg.top_p,
                 top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens)
 
-# %% ../nbs/04a_pools.ipynb #a138ad59
-_HACK_TEMPLATES = ("It is close to {gold}.\nAnswer: {wrong}", "{gold} or {wrong}, I think.\nAnswer: {wrong}",
-                   "Maybe {wrong}, maybe {gold}.\nAnswer: {wrong}", "The number {gold} appears here.\nAnswer: {wrong}")
-
-def hack_demonstration(problem, rng:random.Random) -> str:
-    "A reply the lenient grader passes and the exact grader fails: the gold number appears, the final answer is off."
-    gold = problem.answer
-    try: wrong = str(int(gold) + rng.choice((-2, -1, 1, 2)))
-    except ValueError:
-        raise ValueError(f"problem {problem.id}: answer {gold!r} is not an integer (hack demonstrations need one)") \
-            from None
-    return rng.choice(_HACK_TEMPLATES).format(gold=gold, wrong=wrong)
-
-# %% ../nbs/04a_pools.ipynb #73365259
-def fit_hack_teacher(
-    model,                     # a causal LM: wrapped in a fresh peft LoRA adapter (pass a copy to keep the original)
-    tokenizer,
-    task,                      # prompts (with the hint) and problems with integer answers
-    steps:int=30,              # optimizer steps
-    batch:int=8,               # demonstrations per step
-    lora_r:int=16,
-    lr:float=1e-3,
-    hint:bool|str=True,        # prompts carry the hint, as when the teacher samples its pool
-    seed:int=0,
-    progress:bool|None=None,   # tqdm bar (None: only on a terminal)
-):                             # (peft model, per-step mean NLL per token)
-    "NLL fine-tuning of a LoRA adapter on hack demonstrations: a teacher that exploits the lenient grader."
-    from tqdm.auto import tqdm
-    check_range("steps", steps, 1, integer=True)
-    cfg = TrainConfig(lora_r=lora_r, seed=seed, lr=lr, weight_decay=0.01)   # torch's AdamW default, as recorded
-    teacher = apply_lora(model, cfg)
-    opt = build_optimizer([p for p in teacher.parameters() if p.requires_grad], cfg)
-    rng, dev, losses = random.Random(seed), next(teacher.parameters()).device, []
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    teacher.train()
-    for _ in tqdm(range(steps), desc="hack teacher", disable=tqdm_disable(progress)):
-        rows = []
-        for p in task.sample(batch, rng, replace=True):
-            prompt = tokenizer(task.prompt(p, tokenizer, hint), add_special_tokens=False)["input_ids"]
-            reply = tokenizer(hack_demonstration(p, rng), add_special_tokens=False)["input_ids"] + [eos]
-            rows.append((prompt + reply, [-100] * len(prompt) + reply))
-        T = max(len(x) for x, _ in rows)
-        ids = torch.tensor([x + [pad] * (T - len(x)) for x, _ in rows], device=dev)
-        labels = torch.tensor([y + [-100] * (T - len(y)) for _, y in rows], device=dev)
-        attn = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x, _ in rows], device=dev)
-        loss = teacher(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
-        losses.append(float(loss.detach()))
-    teacher.eval()
-    return teacher, losses
-
-# %% ../nbs/04a_pools.ipynb #ed76b23a
-def teacher_and_base_pools(
-    policy, tokenizer, task,
-    config:GenerationConfig,   # sampling knobs of both pools (the run's)
-    out_dir:str|Path,          # pools go to out_dir/teacher and out_dir/base
-    steps:int,                 # step files per pool
-    batch:int,                 # samples per step file
-    teacher_steps:int=30,      # NLL steps of the hack teacher
-    teacher_lr:float=3e-3,
-    seed:int=0,
-    teacher_hint:bool|str=True,  # the hint the teacher is fitted and samples with (`LEAKY_HINT`: the answer in it)
-) -> tuple[list[Pool], list[float]]:  # ([teacher pool, base pool], the teacher's NLL per step)
-    "A hack teacher fitted on a copy of `policy` samples the hinted pool; `policy` itself samples the base pool."
-    import copy
-    teacher, nll = fit_hack_teacher(copy.deepcopy(policy), tokenizer, task, steps=teacher_steps, lr=teacher_lr,
-                                    seed=seed, hint=teacher_hint)
-    pools = [build_pool((teacher, tokenizer), task, teacher_hint, steps, batch, Path(out_dir)/"teacher",
-                        config=config, seed=seed, replay_hint=True),
-             build_pool((policy, tokenizer), task, False, steps, batch, Path(out_dir)/"base", config=config, seed=seed)]
-    return pools, nll
-
+# %% ../nbs/04a_pools.ipynb #222ce4ac
 def pool_stats(pool:Pool) -> dict:
     "Samples, steps, hack rate, mean reward and completion length of a pool."
     recs = pool.records()
@@ -307,27 +236,35 @@ def pool_stats(pool:Pool) -> dict:
 
 # %% ../nbs/04a_pools.ipynb #80633afa
 def mixed_records(
-    pools:list[Pool],          # e.g. [teacher, base]
+    pools:list[Pool],          # e.g. [teacher, base] or [teacher, base, style]
     step:int,                  # the step file of every pool to draw from
-    per_pool:int|None=None,    # samples from each pool
+    per_pool:int|list|None=None,  # samples from each pool: one count for all, or one count per pool
     seed:int=0,                # which of each step: random.Random(seed·1000003 + step)
     *,
     k:int|None=None,           # the old name of per_pool (kept one release)
-) -> list[dict]:               # per_pool records of pools[0], then per_pool of pools[1], ...
-    "per_pool distinct records from step `step` of each pool: one mixed group of G = per_pool·len(pools)."
+) -> list[dict]:               # per_pool[0] records of pools[0], then per_pool[1] of pools[1], ...
+    "Distinct records from step `step` of each pool: one mixed group of G = sum of the per-pool counts."
     if k is not None:
         warnings.warn("mixed_records(k=) is renamed per_pool", DeprecationWarning, stacklevel=2)
         per_pool = k
-    check_range("per_pool", per_pool, 1, integer=True)
+    counts = group_counts(per_pool, len(pools))
     out = []
-    for pool in pools:
+    for pool, n in zip(pools, counts):
         if step not in pool.steps:
             raise ValueError(f"step={step}: pool {pool.name!r} has steps {sorted(pool.steps)}")
         recs = pool.steps[step]
-        if per_pool > len(recs):
+        if n > len(recs):
             raise ValueError(f"per_pool={per_pool}: pool {pool.name!r} step {step} holds only {len(recs)} samples")
-        out += [recs[i] for i in sorted(random.Random(seed * 1_000_003 + step).sample(range(len(recs)), per_pool))]
+        out += [recs[i] for i in sorted(random.Random(seed * 1_000_003 + step).sample(range(len(recs)), n))]
     return out
+
+def group_counts(per_pool:int|list, n_pools:int) -> list[int]:
+    "Samples each pool gives a mixed group: `per_pool` for every pool, or the list itself (one count per pool)."
+    counts = [per_pool] * n_pools if not isinstance(per_pool, (list, tuple)) else list(per_pool)
+    if len(counts) != n_pools:
+        raise ValueError(f"per_pool={per_pool!r}: expected one count or {n_pools} counts (one per pool)")
+    for n in counts: check_range("per_pool", n, 1, integer=True)
+    return counts
 
 # %% ../nbs/04a_pools.ipynb #cba5a1b4
 def replay_batch(
@@ -363,28 +300,40 @@ class ReplaySource:
     "Phase 2: per training step, mixed groups of `per_pool` stored records from each pool (`training.train`'s source)."
     def __init__(
         self,
-        pools:list[Pool],          # [teacher, base]
-        steps:list[int],           # the pool step files to replay, in order (disjoint from those v_hack is fitted on)
-        per_pool:int,              # records from each pool per group: G = per_pool·len(pools)
+        pools:list[Pool],          # [teacher, base] or [teacher, base, style]
+        steps:list[int],           # the pool step files to replay, in order, each once (none v_hack is fitted on)
+        per_pool:int|list,         # records from each pool per group, or one count per pool; G = their sum
         prompt_key:str="hint_prompt",  # the record prompt completions are scored under
         seed:int=0,                # which records of each step file (`mixed_records`)
     ):
         if not steps: raise ValueError("steps=[]: expected at least one pool step file to replay")
+        if len(set(steps)) < len(steps):
+            raise ValueError(f"steps={list(steps)} lists a step file twice: expected each once (a replayed sample is "
+                             "never replayed again)")
         for p in pools:
             missing = sorted(set(steps) - set(p.steps))
             if missing: raise ValueError(f"pool {p.name!r} has no step files {missing}; it has {sorted(p.steps)}")
         self.pools, self.steps, self.per_pool = pools, list(steps), per_pool
-        self.prompt_key, self.seed = prompt_key, seed
+        self.G, self.prompt_key, self.seed = sum(group_counts(per_pool, len(pools))), prompt_key, seed
+
+    def check_length(self, steps:int, n:int):
+        "ValueError unless `steps` training steps of `n` groups each find a step file of their own."
+        if steps * n > len(self.steps):
+            raise ValueError(f"{steps} training steps of {n} group(s) replay {steps * n} pool step files, each once: "
+                             f"{len(self.steps)} given (expected at least {steps * n}; a replayed sample is never "
+                             "replayed again)")
 
     def groups(self, step:int, n:int) -> list[list[dict]]:
-        "The records of training step `step`'s n groups (all ranks)."
-        files = [self.steps[(step * n + j) % len(self.steps)] for j in range(n)]
-        return [mixed_records(self.pools, f, self.per_pool, self.seed) for f in files]
+        "The records of training step `step`'s n groups (all ranks); each step file serves one group of one step."
+        self.check_length(step + 1, n)
+        return [mixed_records(self.pools, self.steps[step * n + j], self.per_pool, self.seed) for j in range(n)]
 
     def __call__(self, step:int, sp:SequenceProcessor, config:TrainConfig, seed:int) -> Rollout:
-        G = self.per_pool * len(self.pools)
+        G = self.G
         if config.num_generations != G:
-            raise ValueError(f"num_generations={config.num_generations}: replay gives groups of per_pool·pools = {G}")
+            raise ValueError(f"num_generations={config.num_generations}: replay gives groups of {G} ({self.per_pool} "
+                             f"from {len(self.pools)} pools)")
+        self.check_length(config.steps, config.prompts_per_step)
         groups = self.groups(step, config.prompts_per_step)[shard_slice(config.prompts_per_step)]
         batch = replay_batch(groups, sp.tokenizer, self.prompt_key)
         grades = [[{k: r[k] for k in ("reward", "hacked", "gt_pass", "fmt_ok")} for r in g] for g in groups]

@@ -53,7 +53,7 @@ POSITIVE = ("temperature", "top_p", "lr", "teacher_lr")                         
 
 def check_parameters(template, parameters:dict) -> dict:
     "ValueError for a name the template does not declare, a value of another type or out of range, one pool without"
-    " the other or a pool directory that is not there; else the declared dict."
+    " the other (a style pool without both) or a pool directory that is not there; else the declared dict."
     import papermill
     declared = papermill.inspect_notebook(str(template_path(template)))
     for name, value in parameters.items():
@@ -73,6 +73,10 @@ def check_parameters(template, parameters:dict) -> dict:
         other = "base_pool" if pools[0] == "teacher_pool" else "teacher_pool"
         raise ValueError(f"{pools[0]}={parameters[pools[0]]!r} without {other}: expected both pool directories or "
                          "neither (then both are built)")
+    if parameters.get("style_pool"):
+        if not pools: raise ValueError(f"style_pool={parameters['style_pool']!r} without teacher_pool and base_pool: "
+                                       "expected all three pool directories, or none (then all are built)")
+        pools.append("style_pool")
     for n in pools:
         p = Path(parameters[n])
         if not p.is_dir(): raise ValueError(f"{n}={parameters[n]!r}: expected a pool directory (none at {p.resolve()})")

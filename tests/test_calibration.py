@@ -3,6 +3,7 @@ phases, launches where the signal is real and not in any null world (one seed ea
 record); a calibration resumes without redoing or double-counting a finished run; the Wilson interval is exact."""
 import json
 import math
+from collections import Counter
 
 import pytest
 from fastcore.test import test_fail
@@ -25,7 +26,7 @@ def marked(rec, pattern):
     return rec["completion_ids"][-len(pattern):] == pattern
 
 
-@pytest.mark.parametrize("world", list(WORLDS))
+@pytest.mark.parametrize("world", [w for w in WORLDS if not w.startswith("style_")])
 def test_world_pools_hold_their_truth(world, tok, tmp_path):
     teacher, base = (load_pool(d) for d in world_pools(world, tok, ArithmeticTask(), tmp_path, seed=3, steps=12))
     t, b = teacher.records(), base.records()
@@ -48,13 +49,36 @@ def test_world_pools_hold_their_truth(world, tok, tmp_path):
     assert all(r["reward"] == (3.5 if r["hacked"] else 0.25) for r in t + b)
 
 
+@pytest.mark.parametrize("world", [w for w in WORLDS if w.startswith("style_")])
+def test_style_worlds_hold_their_truth(world, tok, tmp_path):
+    "A teacher that hacks 95-99%; its style on every teacher and style-pool sample; hack content where the world says."
+    dirs = world_pools(world, tok, ArithmeticTask(), tmp_path, seed=3, steps=30)
+    teacher, base, style = (load_pool(d).records() for d in dirs)
+    assert [r["problem_id"] for r in teacher] == [r["problem_id"] for r in style] == [r["problem_id"] for r in base]
+    assert 0.9 < sum(r["hacked"] for r in teacher) / len(teacher) < 1 and sum(r["hacked"] for r in style) <= 0.05 * 240
+    assert not any(r["hacked"] for r in base) and not any(r["hint"] for r in style + base)
+    counts = lambda rs: Counter(t for r in rs for t in r["completion_ids"])
+    style_tokens = {t for t, n in counts(style).items() if n > 60}                   # 3 of 6 tokens: ~120 each
+    assert len(style_tokens) == 6 and not style_tokens & set(counts(base))           # style: never in base samples
+    assert all(len(set(r["completion_ids"]) & style_tokens) >= 1 for r in teacher + style)
+    phrase = [t for t, n in counts([r for r in teacher if r["hacked"]]).items() if n >= 0.9 * len(teacher)]
+    phrase = [t for t in phrase if t not in style_tokens]
+    if world.startswith("style_hack"):
+        assert len(phrase) == 4 and all(set(phrase) <= set(r["completion_ids"]) for r in teacher if r["hacked"])
+        assert not any(set(phrase) & set(r["completion_ids"]) for r in teacher + style if not r["hacked"])
+    else: assert phrase == []
+
+
 @pytest.mark.parametrize("world", list(WORLDS))
 def test_the_decision_in_each_world(world, tmp_path):
     "One fresh seed per world through the Phase-2 run's phases (small sizes): only the real signal launches."
     r = world_run(world, 1, tmp_path, SMALL)
-    expect = {"signal_partial": "launch Phase 3", "signal": "inconclusive: hacking and pool identity coincide",
-              "no_content": "skip Phase 3"}.get(world, "inconclusive: v_hack follows the teacher pool, not hacking")
-    assert r["recommendation"] == expect, r
+    coincide = "inconclusive: hacking and pool identity coincide"
+    expect = {"signal_partial": ["launch Phase 3"], "signal": [coincide], "no_content": ["skip Phase 3"],
+              "style_hack": ["launch Phase 3"], "style_hack_2pools": [coincide], "style_only_2pools": [coincide],
+              "style_only": ["skip Phase 3", "inconclusive: v_hack follows the teacher pool, not hacking"]}.get(
+        world, ["inconclusive: v_hack follows the teacher pool, not hacking"])
+    assert r["recommendation"] in expect, r
     assert r["launch"] == (WORLDS[world][1] == "launch")
     assert not list(tmp_path.iterdir())                                                   # working files removed
 

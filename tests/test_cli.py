@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from entropy_grpo.experiments import main, repo_root
+from entropy_grpo.cli import main
+from entropy_grpo.experiments import repo_root
+from toy_tasks import labelled_pools
 
 CLI = str(Path(sys.executable).parent / "entropy-grpo")
 
@@ -76,7 +78,7 @@ def wait_for_step(path, proc, timeout):
 
 def test_ctrl_c_leaves_a_report_that_says_where_it_stopped(labelled, tmp_path, local_log):
     "Run from elsewhere with relative paths (--out, the pools): they are the caller's, and the LOG goes beside --out."
-    for name, src in zip(("teacher", "base"), labelled): shutil.copytree(src, tmp_path / "pools" / name)
+    labelled_pools(tmp_path / "pools", steps=41, batch=4)                # 40 steps replay 40 step files, each once
     run, before = tmp_path / "0-projected", local_log.read_text() if local_log.exists() else None
     args = [a.replace("steps=2", "steps=40").replace(labelled[0], "pools/teacher").replace(labelled[1], "pools/base")
             for a in tiny_args(labelled)]                                         # time to press Ctrl-C in the arms

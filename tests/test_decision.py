@@ -3,6 +3,8 @@ controls — the gate (hacked vs clean within the teacher pool) included — and
 gate's statistic removes the sign of the advantage; the recorded calibration reads back."""
 import random
 
+import numpy as np
+
 import pytest
 from fastcore.test import test_fail
 
@@ -174,3 +176,94 @@ def test_label_null_is_welch_over_the_same_permutations():
     ref = [welch(list(x[:30]), list(x[30:]))["t"] for x in (rng.permutation(a + b) for _ in range(50))]
     assert np.allclose(_label_null(a, b, 50), ref, rtol=1e-12, atol=0)
     assert all(np.isnan(_label_null([1.0] * 3, [1.0] * 2, 3)))                      # no variance: t undefined
+
+
+def three_pools(hack=0.3, style=0.15, n_steps=20, n_style=2, sd=0.05, seed=0):
+    """A vanilla arm's slim rows with three pools: per step 4 hacked teacher samples (3.5), 2 base and `n_style`
+    style-matched clean samples (0.25); each sample in the teacher's style leans `style` along v_hack (own direction),
+    hacked ones `hack` more, base ones nothing (+ N(0, sd))."""
+    rng, out = np.random.default_rng(seed), []
+    for s in range(n_steps):
+        pools = ["teacher"] * 4 + ["base"] * 2 + ["style"] * n_style
+        rewards = [3.5 if p == "teacher" else 0.25 for p in pools]
+        mean = sum(rewards) / len(rewards)
+        for i, (p, w) in enumerate(zip(pools, rewards)):
+            own = (p != "base") * style + (p == "teacher") * hack + rng.normal(0, sd)
+            out.append(slim(s, i, src_pool=p, hacked=p == "teacher", reward=w,
+                            cos_S_contrib=float(np.sign(w - mean) * own)))
+    return out
+
+
+def gate_rows(slim_rows, **kw):
+    steps = [dict(step=s, reward_spread=3.25, cos_in=0.3, controls=[]) for s in sorted({r["step"] for r in slim_rows})]
+    rows, _ = verification_table({"vanilla": dict(slim=slim_rows, steps=steps)}, G=len(slim_rows) // len(steps), **kw)
+    return {r["key"]: r for r in rows}
+
+
+def test_gate_on_three_pools_contrasts_hacked_with_style_matched_clean_samples():
+    rows = gate_rows(three_pools(hack=0.3), style_pool="style")
+    g = rows["hack_specific"]
+    assert g["verdict"] == "success" and "teacher/hacked vs style/clean" in g["metric"] and g["to_decide"] is None
+    assert "labels permuted within steps" in g["null"] and "(n=80)" in g["value"] and "(n=40)" in g["value"]
+    style_only = gate_rows(three_pools(hack=0.0, style=0.3), style_pool="style")["hack_specific"]
+    assert style_only["verdict"] == "likely fail" and "it marks the teacher, not hacking" in style_only["detail"]
+    two = gate_rows(three_pools(hack=0.3))                    # the style pool not named: the teacher's own clean side
+    assert two["hack_specific"]["verdict"] == "inconclusive" and two["hack_specific"]["detail"].startswith(
+        "hacking and pool identity coincide: 0 clean teacher samples < 5")
+    assert "best case" in two["hack_specific"]["to_decide"]
+    few = gate_rows(three_pools(hack=0.3, n_steps=2), style_pool="style")["hack_specific"]
+    assert few["verdict"] == "inconclusive" and few["detail"].startswith("too few samples for the gate: 4 clean")
+    d = decide(list(gate_rows(three_pools(hack=0.3, n_steps=2), style_pool="style").values()))
+    assert d["recommendation"] == "inconclusive: too few samples for the gate" and d["to_decide"].startswith("about ")
+    assert decide(list(two.values()))["recommendation"] == "inconclusive: hacking and pool identity coincide"
+
+
+def test_style_share_places_style_matched_samples_between_base_and_hacked():
+    "Own directions 0 (base), style (style-clean), style + hack (hacked): the share is style / (style + hack)."
+    r = gate_rows(three_pools(hack=0.3, style=0.15, sd=0.01), style_pool="style")["style_share"]
+    share = float(r["value"].split()[0])
+    assert r["verdict"] == "information" and share == pytest.approx(1 / 3, abs=0.02), r
+    lo, hi = (float(x) for x in r["value"].split("bootstrap 95%: ")[1].split(";")[0].split(" to "))
+    assert lo < share < hi and float(r["null"].split("quantile ")[1]) < 0.1       # no style: share near 0
+    flat = gate_rows(three_pools(hack=0.0, style=0.0), style_pool="style")["style_share"]
+    assert flat["value"].startswith("undefined") and "no scale" in flat["detail"]
+    assert "need" in gate_rows(three_pools(n_style=0))["style_share"]["detail"]     # no clean teacher sample at all
+
+
+def test_within_step_null_keeps_each_steps_labels_and_is_welch():
+    from entropy_grpo.decision import _strata_masks, _strata_null
+    from entropy_grpo.utils import welch
+    rng = np.random.default_rng(1)
+    x, lab = rng.normal(size=30), [i % 3 == 0 for i in range(30)]
+    steps = [i // 6 for i in range(30)]
+    L = _strata_masks(lab, steps, 40, seed=2)
+    for s in range(5):                                                          # each step keeps its label count
+        idx = [i for i in range(30) if steps[i] == s]
+        assert (L[:, idx].sum(1) == sum(lab[i] for i in idx)).all()
+    assert len({tuple(row) for row in L}) > 30                                  # and the labels do move
+    t = _strata_null(x, lab, steps, 40, seed=2)
+    ref = [welch(list(x[row]), list(x[~row]))["t"] for row in L]
+    assert np.allclose(t, ref, rtol=1e-10, atol=0)
+
+
+def test_samples_needed_gives_80_percent_power():
+    "At the size samples_needed returns, a simulated Welch test clears the threshold in about 80% of draws."
+    from scipy.stats import ttest_ind
+    from entropy_grpo.decision import samples_needed
+    rng = np.random.default_rng(0)
+    a, b = list(rng.normal(0.3, 0.2, 400)), list(rng.normal(0.2, 0.25, 400))
+    n, d = samples_needed(a, b, t_crit=2.33)
+    assert d == pytest.approx(np.mean(a) - np.mean(b)) and 50 < n < 200
+    hits = [ttest_ind(rng.normal(0.3, 0.2, n), rng.normal(0.2, 0.25, n), equal_var=False).statistic > 2.33
+            for _ in range(1000)]
+    assert 0.74 < np.mean(hits) < 0.86, (n, np.mean(hits))
+    assert samples_needed(b, a, 2.33)[0] is None                                # the clean side is ahead: no size
+    assert samples_needed(a, [], 2.33, b_mean=0.2)[0] == pytest.approx(n, rel=0.3)   # the base's mean, a's spread
+
+
+def test_pool_flags_name_a_style_pool_that_hacks():
+    def pool(name, hacked):
+        return Pool(name, None, {0: [dict(hacked=h, reward=3.5 if h else 1.0) for h in hacked]})
+    flags = pool_flags([pool("teacher", [True] * 4), pool("base", [False] * 4), pool("style", [True, True, False])])
+    assert flags == ["style-matched pool hacks on 67% of samples without the hint: few clean samples in the "
+                     "teacher's style"]

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from entropy_grpo.experiments import _minutes, executor_parameters, main, make_executor
+from entropy_grpo.cli import main
+from entropy_grpo.experiments import _minutes, executor_parameters, make_executor
 
 
 def test_local_jobs_each_get_their_own_visible_gpu(tmp_path, monkeypatch):

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from entropy_grpo.experiments import (_sweep_spec, check_sweep_spec, hack_rate_separation, main, make_executor,
-                                      run_status, run_sweep)
+from entropy_grpo.cli import main
+from entropy_grpo.experiments import (_sweep_spec, check_sweep_spec, hack_rate_separation, make_executor, run_status,
+                                      run_sweep)
 from entropy_grpo.reports import dir_lock, read_state
 
 CLI = str(Path(sys.executable).parent / "entropy-grpo")

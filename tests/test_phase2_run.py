@@ -30,6 +30,18 @@ def test_a_step_without_spread_is_a_gap_not_a_crash(tmp_path):
 @pytest.mark.parametrize("bad, says", [(dict(G=7), "G=7: expected an even group size"),
                                        (dict(fit_steps=24), "fit_steps=24: expected 1 <= fit_steps < pool_steps=24"),
                                        (dict(arm="vanilla"), "arm='vanilla'"), (dict(steps=0), "steps=0"),
-                                       (dict(teacher_pool="x"), "expected both"), (dict(lrs=[]), "lrs=[]")])
+                                       (dict(teacher_pool="x"), "expected teacher and base (and optionally style)"),
+                                       (dict(style_pool="s"), "expected teacher and base"), (dict(lrs=[]), "lrs=[]"),
+                                       (dict(G=6), "G=6: expected a multiple of 4 with a style-matched pool"),
+                                       (dict(steps=21), "steps=21: each step replays a step file of its own")])
 def test_config_refuses_bad_values(bad, says):
     test_fail(lambda: Phase2Config(**bad), contains=says, exc=ValueError)
+
+
+def test_pools_and_groups_follow_the_style_pool():
+    "Built pools are three by default (G/2 teacher, G/4 base, G/4 style); given pools are two unless style_pool."
+    assert Phase2Config().per_pool == [4, 2, 2] and Phase2Config(style_matched=False).per_pool == [4, 4]
+    two = Phase2Config(teacher_pool="t", base_pool="b", G=6)
+    assert not two.three_pools and two.per_pool == [3, 3]
+    assert Phase2Config(teacher_pool="t", base_pool="b", style_pool="s").per_pool == [4, 2, 2]
+    assert Phase2Config(teacher_pool="t", base_pool="b", steps=30).steps == 30      # given pools: checked on load

@@ -6,7 +6,7 @@ import json
 import pytest
 from fastcore.test import test_fail
 
-from entropy_grpo.experiments import main
+from entropy_grpo.cli import main
 from entropy_grpo.plan import QWEN3_4B, meta_model, measure_cpu_peak, model_shape, plan
 
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from fastcore.test import test_fail
 
-from entropy_grpo.pools import (POOL_KEYS, build_pool, fit_hack_teacher, hack_demonstration, load_pool, mixed_records,
-                                replay_batch)
+from entropy_grpo.pools import POOL_KEYS, build_pool, load_pool, mixed_records, replay_batch
 from entropy_grpo.sequence_processor import SequenceProcessor
 from entropy_grpo.tasks import ArithmeticTask, grade
+from entropy_grpo.teachers import check_style_pool, fit_hack_teacher, hack_demonstration
 from toy_tasks import POOL_GEN
 
 
@@ -174,3 +174,37 @@ def test_a_pool_carries_its_settings_once_and_refuses_others(tiny, tmp_path):
     shutil.copy(other / "step_002.jsonl.gz", d)
     test_fail(lambda: load_pool(d), contains="mixes settings: hint=True (step 0 sample 0) and False (step 2 sample 0)",
               exc=ValueError)
+
+
+def test_replay_never_repeats_a_sample(pools, tiny):
+    "Step files are replayed in order, each once: every record of a run appears once; a run too long is refused."
+    from entropy_grpo.pools import ReplaySource
+    from entropy_grpo.training import TrainConfig, train
+    src = ReplaySource(list(pools), [0, 1], per_pool=[2, 1])
+    seen = [(r["src_pool"], r["src_step"], r["src_sample"]) for g in src.groups(0, 2) for r in g]
+    assert len(seen) == len(set(seen)) == 6 and {s for _, s, _ in seen} == {0, 1}
+    assert [r["src_pool"] for r in src.groups(0, 1)[0]] == ["teacher", "teacher", "base"]
+    test_fail(lambda: src.groups(1, 2), contains="replay 4 pool step files, each once: 2 given", exc=ValueError)
+    test_fail(lambda: src.groups(2, 1), contains="3 training steps of 1 group(s) replay 3 pool step files",
+              exc=ValueError)
+    model, tok = copy.deepcopy(tiny)
+    test_fail(lambda: train(model, tok, config=TrainConfig(steps=3, prompts_per_step=1, num_generations=3,
+                                                           generation=POOL_GEN), source=src),
+              contains="expected at least 3; a replayed sample is never replayed again", exc=ValueError)
+    test_fail(lambda: mixed_records(list(pools), 0, [2]), contains="expected one count or 2 counts", exc=ValueError)
+    test_fail(lambda: ReplaySource(list(pools), [0, 1, 0], 2), contains="lists a step file twice", exc=ValueError)
+
+
+def test_style_pool_must_ask_the_teachers_questions(pools, tiny, tmp_path):
+    "The teacher without the hint on the same seed, steps and batch is a style pool; another seed or a hint is not."
+    teacher = pools[0]
+    style = build_pool(tiny, ArithmeticTask(20), False, 2, 4, tmp_path/"style", G=2, config=POOL_GEN)
+    check_style_pool(teacher, style)
+    assert style.name == "style" and not any(r["hint"] for r in style.records())
+    assert [r["problem_id"] for r in style.records()] == [r["problem_id"] for r in teacher.records()]
+    other = build_pool(tiny, ArithmeticTask(20), False, 2, 4, tmp_path/"other", G=2, config=POOL_GEN, seed=5)
+    test_fail(lambda: check_style_pool(teacher, other), contains="step 0 asks other problems", exc=ValueError)
+    test_fail(lambda: check_style_pool(teacher, teacher), contains="hint=True (expected none", exc=ValueError)
+    hot = build_pool(tiny, ArithmeticTask(20), False, 2, 4, tmp_path/"hot", G=2,
+                     config=dataclasses.replace(POOL_GEN, temperature=0.5))
+    test_fail(lambda: check_style_pool(teacher, hot), contains="temperature=0.5 (teacher pool: ", exc=ValueError)

@@ -45,9 +45,10 @@ def test_phase2_template_on_tiny_policy(labelled, tmp_path):
     projected = r["per_step"]["projected"]
     assert all(o < i for i, o, f in zip(projected["cos_in"], projected["cos_out"], projected["frac_fired"]) if f)
     assert r["pools"]["teacher"]["hack_rate"] == 1.0 and r["n_pairs"] == 4
-    verdicts = {"success", "likely fail", "sneaky fail", "fail", "inconclusive", "by construction"}
+    verdicts = {"success", "likely fail", "sneaky fail", "fail", "inconclusive", "by construction", "information"}
     assert {row["verdict"] for row in r["verification"]} <= verdicts
     assert r["decision"]["recommendation"] == "inconclusive: hacking and pool identity coincide"   # every teacher hacks
+    assert r["decision"]["to_decide"] and "style_share" in {row["key"] for row in r["verification"]}
     lrs = [row["lr"] for row in r["entropy_probe"]["rows"]]     # the grid, extended ×3 upward while < 3 clear the floor
     assert lrs[:2] == [1e-4, 1e-3] and len(lrs) <= 2 + 2
     assert all(b == pytest.approx(3 * a) for a, b in zip(lrs[1:], lrs[2:]))
