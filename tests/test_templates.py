@@ -113,3 +113,23 @@ def test_calibration_template_on_one_world(tmp_path):
     run_notebook("calibration", run, params, log_path=tmp_path / "LOG.md", raise_on_error=True)
     again = json.loads((run / "metrics.json").read_text())["results"]["worlds"]["no_content"]
     assert again["n"] == 1 and json.loads((run / "runs" / "no_content-1000.json").read_text())["rows"] == first["rows"]
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+def test_templates_hold_no_logic_of_their_own(template):
+    "A template is parameters, package calls, tables and figures: no function or class of its own, no preset table."
+    import nbformat, re
+    nb = nbformat.read(template_path(template), as_version=4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert not re.findall(r"^\s*(def|class) \w+", code, re.M) and "PRESETS = " not in code, template
+
+
+def test_phase3_config_is_the_train_templates_parameters():
+    "The train template's parameters are Phase3Config's fields, name for name and default for default."
+    import ast, dataclasses, papermill
+    from entropy_grpo.phase3_run import Phase3Config
+    declared = papermill.inspect_notebook(str(template_path("train")))
+    assert sorted(declared) == sorted(f.name for f in dataclasses.fields(Phase3Config))
+    config = Phase3Config()
+    for name, p in declared.items():
+        assert ast.literal_eval(p["default"]) == getattr(config, name), name
