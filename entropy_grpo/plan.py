@@ -6,7 +6,7 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/plan.html.md"""
 
 # %% ../nbs/07b_plan.ipynb #287cf535
 from __future__ import annotations
-import ast, dataclasses, json, math, os, subprocess, sys, threading, time
+import dataclasses, json, math, os, subprocess, sys, threading, time, warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +17,8 @@ from .dr_grpo import policy_gradient_backward
 from .policies import (convert_default_policy, policy_by_name, set_checkpointing, tiny_policy,
                                    wants_checkpointing)
 from .phase2_run import PROBE_TF_BATCH, Phase2Config
+from .phase3_run import PRESETS
 from .projection_arms import ARM_ADAPTER
-from .reports import template_path
 from .sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor
 from .training import TrainConfig, build_optimizer
 from .utils import check_choice, markdown_table
@@ -160,26 +160,15 @@ def plan_phases(s:dict, run:RunShape) -> list[dict]:
             for name, parts, ex, fl, note in rows]
 
 # %% ../nbs/07b_plan.ipynb #c54960e6
-def _literal(node):
-    "A literal, where `dict(k=v)` counts as one (the templates write their presets that way)."
-    if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "dict" and not node.args:
-        return {kw.arg: _literal(kw.value) for kw in node.keywords}
-    if isinstance(node, ast.Dict): return {ast.literal_eval(k): _literal(v) for k, v in zip(node.keys, node.values)}
-    return ast.literal_eval(node)
-
 def template_presets(template:str="train") -> dict:
-    "The template's PRESETS literal, read from its source (the presets have one home: the template)."
-    for c in json.loads(template_path(template).read_text())["cells"]:
-        for node in ast.walk(ast.parse("".join(c["source"]))) if c["cell_type"] == "code" else []:
-            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PRESETS" for t in node.targets):
-                return _literal(node.value)
-    raise ValueError(f"template {template!r} has no PRESETS literal")
+    "The Phase-3 presets (`phase3_run.PRESETS`); the old name of reading them from the train template (one release)."
+    warnings.warn("plan.template_presets() is phase3_run.PRESETS", DeprecationWarning, stacklevel=2)
+    return PRESETS
 
 def run_shape(params:dict|None=None) -> tuple[str, RunShape]:
     "(model, RunShape) from `plan` parameters: preset (default 'full'), model, arm, and any RunShape field."
     params = dict(params or {})
-    presets = template_presets()
-    preset = presets[check_choice("preset", params.pop("preset", "full"), sorted(presets))]
+    preset = PRESETS[check_choice("preset", params.pop("preset", "full"), sorted(PRESETS))]
     model = params.pop("model", "") or preset["model"]
     arm = params.pop("arm", None)
     fields = {f.name for f in dataclasses.fields(RunShape)}

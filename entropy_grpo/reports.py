@@ -34,13 +34,14 @@ def template_path(template:str) -> Path:
     return p
 
 def git_sha(root:Path|None=None) -> str:
-    "HEAD of the checkout, with '-dirty' when it has uncommitted changes; 'unknown' outside git."
+    "HEAD of the checkout, with '-dirty' when code differs from it (runs/, the records runs write, aside); 'unknown'"
+    " outside git."
     root = root or repo_root()
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                               text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)runs"],
+                               cwd=root, capture_output=True, text=True).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

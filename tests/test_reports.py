@@ -125,3 +125,17 @@ def test_no_ok_without_every_artefact(tmp_path):
     out = run_notebook(template, tmp_path / "exp" / "0-a", log_path=tmp_path / "LOG.md")
     assert out["status"] == "failed" and "figures listed in metrics.json are missing: ['fig.png']" in out["error"]
     assert run_status(tmp_path / "exp" / "0-a") == "failed"
+
+
+def test_git_sha_is_dirty_for_code_not_for_records(tmp_path):
+    "A run of record rewrites tracked files under runs/: the code that ran is still HEAD; a changed source file is not."
+    import subprocess
+    from entropy_grpo.reports import git_sha
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+    (tmp_path / "runs").mkdir(); (tmp_path / "runs" / "r.json").write_text("{}"); (tmp_path / "code.py").write_text("")
+    git("init", "-q"); git("add", "-A"); git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    head = git("rev-parse", "HEAD").stdout.decode().strip()
+    (tmp_path / "runs" / "r.json").write_text('{"a": 1}')
+    assert git_sha(tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 1")
+    assert git_sha(tmp_path) == head + "-dirty"
