@@ -7,7 +7,7 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/phase2_run.html.md"""
 # %% ../nbs/06b_phase2_run.ipynb #848bdda7
 from __future__ import annotations
 import copy, time, warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,14 +30,14 @@ from .sequence_processor import GenerationConfig, SequenceProcessor, make_probe_
 from .tasks import LEAKY_HINT, ArithmeticTask
 from .teachers import check_style_pool, teacher_and_base_pools
 from .training import TrainConfig, build_optimizer, train
-from .utils import check_choice, check_range, write_json
+from .utils import TemplateConfig, check_choice, check_range, write_json
 
 # %% auto #0
 __all__ = ['PROBE_TF_BATCH', 'Phase2Config', 'Phase2Run']
 
 # %% ../nbs/06b_phase2_run.ipynb #69eb6fb1
 @dataclass
-class Phase2Config:
+class Phase2Config(TemplateConfig):
     "Every parameter of a Phase-2 run (the template's parameters cell, field for field), checked once."
     model:str="default"            # "default" (embedded SmolLM2-135M-Instruct), "tiny", hub name or path
     arm:str="projected"            # "projected" (δS, SVD basis) | "projected_lora" (LoRA basis)
@@ -79,13 +79,6 @@ class Phase2Config:
     probe_extra_lrs:int=2          # lrs the entropy probe may add while fewer than 3 clear its floor
     probe_min_ess_frac:float=0.5   # ESS below this fraction of |E| flags an entropy-probe row low_ess
     out_dir:str="runs/phase2/0-projected"
-
-    def __post_init__(self): self._check()
-
-    @classmethod
-    def from_namespace(cls, ns:dict) -> "Phase2Config":
-        "The configuration from a namespace holding every field (a template's globals after its parameters cell)."
-        return cls(**{f.name: ns[f.name] for f in fields(cls)})
 
     @property
     def vanilla_arm(self) -> str: return self.arm.replace("projected", "vanilla")

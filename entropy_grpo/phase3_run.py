@@ -7,7 +7,7 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/phase3_run.html.md"""
 # %% ../nbs/06d_phase3_run.ipynb #28d34390
 from __future__ import annotations
 import json, time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,7 @@ from .sequence_processor import GenerationConfig, SequenceProcessor
 from .tasks import ArithmeticTask
 from .teachers import check_style_pool
 from .training import TrainConfig, train
-from .utils import check_choice, check_range, save_figure, write_json
+from .utils import TemplateConfig, check_choice, check_range, save_figure, write_json
 
 # %% auto #0
 __all__ = ['PRESETS', 'TARGETS', 'Phase3Config', 'Phase3Run']
@@ -40,7 +40,7 @@ PRESETS = {
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]   # the modules the arms' adapters wrap
 
 @dataclass
-class Phase3Config:
+class Phase3Config(TemplateConfig):
     "Every parameter of a Phase-3 run (the train template's parameters cell, field for field), checked once."
     seed:int=0
     arm:str="vanilla"              # "vanilla" | "projected" (δS) | "vanilla_lora" | "projected_lora" (LoRA)
@@ -55,13 +55,6 @@ class Phase3Config:
     prompts_per_microbatch:int=0   # prompts per backward (x G sequences); 0: tf_batch_size // G
     gradient_checkpointing:str="auto"  # "auto": on above 1 B parameters; True / False force it
     out_dir:str="runs/phase3/0-vanilla"
-
-    def __post_init__(self): self._check()
-
-    @classmethod
-    def from_namespace(cls, ns:dict) -> "Phase3Config":
-        "The configuration from a namespace holding every field (a template's globals after its parameters cell)."
-        return cls(**{f.name: ns[f.name] for f in fields(cls)})
 
     @property
     def sizes(self) -> dict: return PRESETS[self.preset]

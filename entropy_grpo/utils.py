@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['check_range', 'check_choice', 'atomic_path', 'json_default', 'clean_json', 'write_json', 'save_figure', 'welch',
-           'row_cosines', 'markdown_table', 'tqdm_disable', 'base_optimizer']
+__all__ = ['check_range', 'check_choice', 'TemplateConfig', 'atomic_path', 'json_default', 'clean_json', 'write_json',
+           'save_figure', 'welch', 'row_cosines', 'markdown_table', 'tqdm_disable', 'base_optimizer']
 
 # %% ../nbs/00c_utils.ipynb #ebe88024
 def check_range(
@@ -44,6 +44,18 @@ def check_choice(name:str, value, choices):
     "Return `value` if it is one of `choices`; else a ValueError listing them."
     if value not in choices: raise ValueError(f"{name}={value!r}: expected one of {tuple(choices)}")
     return value
+
+# %% ../nbs/00c_utils.ipynb #39dc960d
+class TemplateConfig:
+    "Base of a template's config dataclass: checked when built (`_check`), built from a template's namespace."
+    def __post_init__(self): self._check()
+    def _check(self): pass
+
+    @classmethod
+    def from_namespace(cls, ns:dict):
+        "The configuration from a namespace holding every field (a template's globals after its parameters cell)."
+        from dataclasses import fields
+        return cls(**{f.name: ns[f.name] for f in fields(cls)})
 
 # %% ../nbs/00c_utils.ipynb #f7420e15
 @contextmanager
