@@ -18,7 +18,8 @@ from .reports import git_sha
 from .utils import check_choice, check_range, tqdm_disable, write_json
 
 # %% auto #0
-__all__ = ['WORLDS', 'STYLE_WORLDS', 'world_pools', 'world_run', 'wilson', 'calibrate', 'summarize', 'calibration_figure']
+__all__ = ['WORLDS', 'STYLE_WORLDS', 'world_pools', 'world_config', 'world_run', 'wilson', 'calibrate', 'summarize',
+           'calibration_figure']
 
 # %% ../nbs/06c_calibration.ipynb #c93aa587
 WORLDS = {  # world: (what is true, the answer it needs: "launch" or "no launch")
@@ -101,6 +102,13 @@ def world_pools(
     return tuple(str(Path(root)/name) for name in pools)
 
 # %% ../nbs/06c_calibration.ipynb #2f170970
+def world_config(world:str, seed:int, work:Path, parameters:dict|None=None) -> Phase2Config:
+    "The run's configuration: the overrides, the tiny policy, the world's pools under `work` (three in style worlds)."
+    three = world in ("style_hack", "style_only")                # the *_2pools worlds leave the style pool out
+    return Phase2Config(**{**(parameters or {}), "model": "tiny", "seed": seed, "out_dir": str(work/"run"),
+                           "teacher_pool": str(work/"pools"/"teacher"), "base_pool": str(work/"pools"/"base"),
+                           "style_pool": str(work/"pools"/"style") if three else ""})
+
 def world_run(
     world:str,
     seed:int,
@@ -110,10 +118,7 @@ def world_run(
     "One seed of one world through the Phase-2 run's own phases, up to the decision."
     work = Path(work_dir)/f"{world}-{seed}"
     try:
-        three = world in ("style_hack", "style_only")            # the *_2pools worlds leave the style pool out
-        cfg = Phase2Config(**{**(parameters or {}), "model": "tiny", "seed": seed, "out_dir": str(work/"run"),
-                              "teacher_pool": str(work/"pools"/"teacher"), "base_pool": str(work/"pools"/"base"),
-                              "style_pool": str(work/"pools"/"style") if three else ""})
+        cfg = world_config(world, seed, work, parameters)
         run = Phase2Run(cfg)
         world_pools(world, run.tok, run.task, work/"pools", seed, cfg.pool_steps, cfg.pool_batch, run.gen)
         run.build_pools(); run.fit_v_hack(); run.run_arms(); d = run.verify()
@@ -146,7 +151,7 @@ def calibrate(
     check_range("seeds", seeds, 1, integer=True)
     out = Path(out_dir); (out/"runs").mkdir(parents=True, exist_ok=True)
     params = dict(parameters or {})
-    Phase2Config(**params)                                    # a bad parameter is refused before any run
+    for w in worlds: world_config(w, first_seed, out, params)   # a bad parameter is refused before any run
     old = out/"parameters.json"
     if old.exists() and json.loads(old.read_text()) != params:
         raise ValueError(f"{out} holds a calibration with parameters {old.read_text()}: expected {params}; choose "
@@ -178,7 +183,7 @@ def summarize(out_dir:str|Path, record:bool=False) -> dict:
                          gate=dict(Counter(v for r in rs for key, v in r["verdicts"].items()
                                            if key.startswith("hack_specific/"))))
     params = json.loads((out/"parameters.json").read_text()) if (out/"parameters.json").exists() else {}
-    config = asdict(Phase2Config(**params))
+    config = asdict(world_config(next(iter(worlds)), 0, out, params))    # its per-run fields are dropped below
     seeds = sorted({r["seed"] for r in runs})
     s = dict(parameters={k: v for k, v in config.items() if k not in _PER_RUN}, seeds=dict(first=seeds[0],
              last=seeds[-1], n=len(seeds)), git_sha=git_sha(), worlds=worlds)

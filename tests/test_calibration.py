@@ -101,6 +101,9 @@ def test_calibration_resumes_without_redoing_or_double_counting(tmp_path, monkey
               contains="holds a calibration with parameters", exc=ValueError)
     test_fail(lambda: calibrate(tmp_path, ["no_world"]), contains="world='no_world'", exc=ValueError)
     test_fail(lambda: calibrate(tmp_path/"x", parameters=dict(G=7)), contains="G=7", exc=ValueError)
+    test_fail(lambda: calibrate(tmp_path/"y", ["style_hack"], parameters=dict(G=6)),
+              contains="G=6: expected a multiple of 4 with a style-matched pool", exc=ValueError)
+    assert calibrate(tmp_path/"z", ["no_content"], seeds=1, parameters=dict(G=6))["worlds"]["no_content"]["n"] == 1
     test_fail(lambda: summarize(tmp_path/"empty"), contains="no finished calibration run", exc=ValueError)
 
 
