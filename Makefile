@@ -49,7 +49,8 @@ record: setup
 	$(BIN)/entropy-grpo phase1 --out runs/phase1 -p pool_steps=12 \
 	    -p teacher_pool="'$(POOLS)/teacher'" -p base_pool="'$(POOLS)/base'"
 	$(BIN)/entropy-grpo sweep --out runs/phase3 --seeds 0 --arms vanilla projected --steps 5 --force \
-	    -p preset="'cpu-small'" -p teacher_pool="'$(POOLS)/teacher'" -p base_pool="'$(POOLS)/base'"
+	    -p preset="'cpu-small'" -p teacher_pool="'$(POOLS)/teacher'" -p base_pool="'$(POOLS)/base'" \
+	    -p style_pool="'$(POOLS)/style'"
 	$(BIN)/entropy-grpo report runs/phase3
 
 clean-nbs: setup
