@@ -58,6 +58,31 @@ def test_phase2_template_on_tiny_policy(labelled, tmp_path):
     assert "| phase2 | 0-projected | ok |" in (tmp_path / "LOG.md").read_text()
 
 
+def test_phase2_template_with_a_style_matched_pool(tmp_path):
+    "Three pools through the template: v_hack against style-clean samples, the gate and the style share on them, and"
+    " an inconclusive gate that says what would decide it."
+    from entropy_grpo.phase2 import load_slim
+    from toy_tasks import labelled_pools
+    pools = labelled_pools(tmp_path / "pools", steps=3, batch=4, style=True)
+    run = tmp_path / "phase2" / "0-projected"
+    out = run_notebook("phase2", run, dict(model="tiny", steps=2, G=4, pool_steps=3, fit_steps=1, pool_batch=4,
+                                           teacher_pool=pools[0], base_pool=pools[1], style_pool=pools[2],
+                                           max_new_tokens=6, top_p=1.0, lrs=[1e-3, 1e-4], E_total_sequences=8, B_U=2,
+                                           max_pairs=8, n_controls=3),
+                       log_path=tmp_path / "LOG.md", raise_on_error=True)
+    m = json.loads((run / "metrics.json").read_text())
+    assert out["status"] == "ok" and set(m["results"]["pools"]) == {"teacher", "base", "style"}
+    rows = {r["key"]: r for r in m["results"]["verification"]}
+    gate = rows["hack_specific"]
+    assert "teacher/hacked vs style/clean" in gate["metric"] and "(n=4) vs clean" in gate["value"]
+    assert "(n=2)" in gate["value"]                                         # 2 steps x 1 style sample, each once
+    assert rows["style_share"]["verdict"] == "information" and "style/clean" in rows["style_share"]["metric"]
+    d = m["results"]["decision"]
+    assert d["recommendation"] == "inconclusive: too few samples for the gate", d
+    assert "G/4 = 1 clean samples per step: steps=" in d["to_decide"] or "no sample size" in d["to_decide"], d
+    assert {r["src_pool"] for r in load_slim(run / "vanilla")} == {"teacher", "base", "style"}    # 2 + 1 + 1 a group
+
+
 @pytest.mark.parametrize("arm", ["vanilla", "projected"])
 def test_train_template_smoke(arm, labelled, tmp_path):
     run = tmp_path / "phase3" / f"0-{arm}"

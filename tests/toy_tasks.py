@@ -29,14 +29,16 @@ def tiny_pools(policy, root):
     return teacher, base
 
 
-def labelled_pools(root, steps=3, batch=4, seed=0, max_new_tokens=6):
+def labelled_pools(root, steps=3, batch=4, seed=0, max_new_tokens=6, style=False):
     """A teacher and a base pool from the tiny policy's real samples (hint / no hint, same problems), with labels set
     by hand: every teacher sample hacked (reward 3.5), every base sample clean (reward 0.25). The tiny policy never
-    hacks on its own; this gives the Phase-2 plumbing groups with real reward variance and (hack, clean) pairs."""
+    hacks on its own; this gives the Phase-2 plumbing groups with real reward variance and (hack, clean) pairs.
+    `style=True` adds a style-matched pool: the same sampler without the hint, every sample clean (0.25)."""
     policy, task = tiny_policy(seed), ArithmeticTask(seed=seed)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens)
     dirs = []
-    for name, hint, reward in (("teacher", True, 3.5), ("base", False, 0.25)):
+    for name, hint, reward in (("teacher", True, 3.5), ("base", False, 0.25)) + ((("style", False, 0.25),) if style
+                                                                                 else ()):
         d = Path(root) / name
         build_pool(policy, task, hint, steps, batch, d, config=cfg, seed=seed)
         for f in sorted(d.glob("step_*.jsonl.gz")):
