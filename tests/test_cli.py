@@ -140,9 +140,12 @@ def test_demo_into_a_read_only_runs_directory(tmp_path, capsys):
     (["probe", "-p", "teacher_pool='nope'", "-p", "base_pool='nope'"], "teacher_pool='CWD/nope': expected a pool"),
     (["pools", "FILE"], "out='FILE': expected a pool directory (a file is there)"),
     (["pools", "CWD/p", "--steps", "0"], "--steps=0: expected an integer >= 1"),
+    (["pools", "CWD/p", "--hint", "--style-of", "CWD"], "--hint with --style-of: expected no hint"),
+    (["probe", "-p", "style_pool='runs'"], "style_pool='RUNS' without teacher_pool and base_pool"),
     (["report", "nope"], "exp_dir='CWD/nope': expected a sweep directory (not found)"),
     (["sweep", "--seeds", "0", "--arms", "vanilla", "--steps", "0"], "steps=0: expected >= 1"),
 ], ids=["misspelled", "not-an-int", "steps-0", "seed-twice", "one-pool", "no-pool", "pools-file", "pools-steps-0",
+        "pools-style-hint", "style-pool-alone",
         "report-missing", "sweep-steps-0"])
 def test_bad_input_is_one_line_and_exit_status_2_before_any_work(argv, text, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
