@@ -196,6 +196,10 @@ def _cli_pools(a) -> int:
     except OSError as e:
         raise ValueError(f"--model {a.model!r}: expected 'default', 'tiny', a model directory or a hub name "
                          f"that loads ({str(e).splitlines()[0]})") from None
+    if a.style_of and teacher.settings.get("model") not in (None, str(getattr(policy[0].config, "_name_or_path", ""))):
+        raise ValueError(f"--model {a.model!r}: the teacher pool {a.style_of!r} was sampled by "
+                         f"{teacher.settings['model']!r}; expected that model (a style pool is the teacher without "
+                         "the hint)")
     pool = build_pool(policy, ArithmeticTask(seed=kw["seed"]), a.hint, out_dir=out, **kw)
     if a.style_of: check_style_pool(teacher, pool)
     return 0

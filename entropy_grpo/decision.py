@@ -158,12 +158,10 @@ def samples_needed(
 # %% ../nbs/06a_decision.ipynb #dfa0d3d9
 def _label_null(a:list, b:list, n:int=200, seed:int=0) -> list:
     "Welch t of the two groups with their membership permuted n times (NaN where undefined): the null of 'they differ'."
-    rng = np.random.default_rng(seed)
-    x = np.stack([rng.permutation(np.asarray(a + b, dtype=float)) for _ in range(n)])   # [n, len(a) + len(b)]
-    xa, xb = x[:, :len(a)], x[:, len(a):]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        t = (xa.mean(1) - xb.mean(1)) / np.sqrt(xa.var(1, ddof=1) / len(a) + xb.var(1, ddof=1) / len(b))
-    return [float(v) if np.isfinite(v) else math.nan for v in t]
+    rng, N = np.random.default_rng(seed), len(a) + len(b)
+    L = np.zeros((n, N), bool)                                          # [n, N]: a's side of each permutation
+    for row in L: row[rng.permutation(N)[:len(a)]] = True
+    return [float(v) for v in _welch_t(np.asarray(a + b, float), L)]
 
 COINCIDE = "hacking and pool identity coincide"   # the gate's detail, and the decision's words, when it cannot judge
 TOO_FEW = "too few samples for the gate"          # the decision's words when a side is below its minimum

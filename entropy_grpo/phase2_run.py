@@ -257,9 +257,10 @@ def _decide(self:Phase2Run) -> dict:
     c, d = self.cfg, decide(self.rows, self.flags)
     n = next((r.get("needed") for r in self.rows if r["key"] == "hack_specific"), None)
     if d["to_decide"] and n:
-        S = -(-n // (c.G // 4))                              # replayed steps at G/4 style-clean samples each
+        per_step = max(1, c.G // 4)                          # style-clean samples a replayed step gives
+        S = -(-n // per_step)
         pool = "" if c.three_pools else "a style-matched pool (style_pool, or built pools with style_matched=True), "
-        d["to_decide"] += f"; at G/4 = {c.G // 4} clean samples per step: {pool}steps={S}, pool_steps={S + c.fit_steps}"
+        d["to_decide"] += f"; at G/4 = {per_step} clean samples per step: {pool}steps={S}, pool_steps={S + c.fit_steps}"
     return d
 
 # %% ../nbs/06b_phase2_run.ipynb #e207e82c

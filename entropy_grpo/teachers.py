@@ -107,8 +107,8 @@ def check_style_pool(teacher:Pool, style:Pool):
     if not shared:
         diffs.append(f"no step file in common (teacher {sorted(teacher.steps)}, style {sorted(style.steps)})")
     for s in shared:
-        ids = lambda p: [r.get("problem_id") for r in p.steps[s]]
-        if sorted(set(ids(teacher))) != sorted(set(ids(style))):
+        ids = lambda p: sorted({(r.get("problem_id"), r.get("question")) for r in p.steps[s]})
+        if ids(teacher) != ids(style):
             diffs.append(f"step {s} asks other problems (build both pools with the same seed, steps and batch)"); break
     if diffs: raise ValueError(f"style pool {style.name!r} is not matched to teacher pool {teacher.name!r}: "
                                + "; ".join(diffs))

@@ -167,6 +167,20 @@ def test_run_commands_list_their_template_parameters(capsys):
         assert any(l.split()[0] == name and text in l for l in rows), out
 
 
+def test_style_pool_of_another_model_is_refused_before_sampling(tmp_path, capsys):
+    from entropy_grpo.pools import build_pool
+    from entropy_grpo.sequence_processor import GenerationConfig
+    from entropy_grpo.tasks import ArithmeticTask
+    from entropy_grpo.policies import tiny_policy
+    model, tok = tiny_policy(0)
+    model.config._name_or_path = "my-teacher"
+    build_pool((model, tok), ArithmeticTask(seed=0), True, 1, 2, tmp_path / "teacher",
+               config=GenerationConfig(max_new_tokens=4))
+    refused(capsys, ["pools", str(tmp_path / "style"), "--model", "tiny", "--style-of", str(tmp_path / "teacher")],
+            "was sampled by 'my-teacher'; expected that model")
+    assert not (tmp_path / "style").exists()
+
+
 def test_pools_of_the_tiny_policy(tmp_path, capsys):
     assert main(["pools", str(tmp_path / "p"), "--model", "tiny", "--steps", "1", "--batch", "2",
                  "--max-new-tokens", "4"]) == 0

@@ -45,3 +45,14 @@ def test_pools_and_groups_follow_the_style_pool():
     assert not two.three_pools and two.per_pool == [3, 3]
     assert Phase2Config(teacher_pool="t", base_pool="b", style_pool="s").per_pool == [4, 2, 2]
     assert Phase2Config(teacher_pool="t", base_pool="b", steps=30).steps == 30      # given pools: checked on load
+
+
+def test_what_would_decide_is_said_for_any_group_size(tmp_path):
+    "A two-pool run of G = 2 (no G/4 style samples a step) still turns the gate's sample size into steps."
+    from entropy_grpo.decision import COINCIDE
+    run = Phase2Run.__new__(Phase2Run)
+    run.cfg, run.flags = Phase2Config(model="tiny", G=2, teacher_pool="t", base_pool="b"), []
+    run.rows = [dict(key="hack_specific", metric="gate", arm="vanilla", value="", null=None, verdict="inconclusive",
+                     detail=f"{COINCIDE}: 0 clean teacher samples", to_decide="about 3 each would decide", needed=3)]
+    d = run._decide()
+    assert d["recommendation"] == f"inconclusive: {COINCIDE}" and "steps=3, pool_steps=7" in d["to_decide"], d

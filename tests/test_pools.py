@@ -205,6 +205,9 @@ def test_style_pool_must_ask_the_teachers_questions(pools, tiny, tmp_path):
     other = build_pool(tiny, ArithmeticTask(20), False, 2, 4, tmp_path/"other", G=2, config=POOL_GEN, seed=5)
     test_fail(lambda: check_style_pool(teacher, other), contains="step 0 asks other problems", exc=ValueError)
     test_fail(lambda: check_style_pool(teacher, teacher), contains="hint=True (expected none", exc=ValueError)
+    easy = build_pool(tiny, ArithmeticTask(20, max_value=9), False, 2, 4, tmp_path/"easy", G=2, config=POOL_GEN)
+    assert [r["problem_id"] for r in easy.records()] == [r["problem_id"] for r in teacher.records()]   # same ids
+    test_fail(lambda: check_style_pool(teacher, easy), contains="step 0 asks other problems", exc=ValueError)
     hot = build_pool(tiny, ArithmeticTask(20), False, 2, 4, tmp_path/"hot", G=2,
                      config=dataclasses.replace(POOL_GEN, temperature=0.5))
     test_fail(lambda: check_style_pool(teacher, hot), contains="temperature=0.5 (teacher pool: ", exc=ValueError)
