@@ -172,6 +172,7 @@ def _command(a) -> int:
         return 0
     return _cli_pools(a)
 
+# %% ../nbs/07c_cli.ipynb #d1bf12a7
 def _cli_pools(a) -> int:
     "`pools`: the directory and the numbers checked, then the policy loaded and the pool built (or extended)."
     from entropy_grpo.policies import policy_by_name
