@@ -18,8 +18,8 @@ from .reports import git_sha
 from .utils import check_choice, check_range, tqdm_disable, write_json
 
 # %% auto #0
-__all__ = ['WORLDS', 'STYLE_WORLDS', 'world_pools', 'world_config', 'world_run', 'wilson', 'calibrate', 'summarize',
-           'calibration_figure']
+__all__ = ['WORLDS', 'STYLE_WORLDS', 'hack_tokens', 'world_pools', 'world_config', 'world_run', 'wilson', 'calibrate',
+           'summarize', 'calibration_figure', 'agreement', 'row_value', 'agreement_markdown', 'agreement_figure']
 
 # %% ../nbs/06c_calibration.ipynb #c93aa587
 WORLDS = {  # world: (what is true, the answer it needs: "launch" or "no launch")
@@ -43,6 +43,32 @@ def _labels(world:str, pool:str, rng:random.Random, hack_rate:float) -> tuple[bo
     hacked = rng.random() < {"signal": 1.0, "exchangeable": 1.0, "no_content": 0.5}.get(world, hack_rate)
     marked = world in ("signal", "exchangeable", "pool_identity") or (world == "signal_partial" and hacked)
     return hacked, marked
+
+def _is_word(tokenizer, i:int) -> bool:
+    "A token of ≥ 2 visible characters that its own text encodes back to."
+    text = tokenizer.decode([i])
+    return len(text.strip()) >= 2 and tokenizer.encode(text, add_special_tokens=False) == [i]
+
+def _world_tokens(world:str, tokenizer, rng:random.Random, pattern_len:int=6) -> tuple[list, list, dict]:
+    "(body vocabulary, the pattern, the style and hack words): a world's tokens, the first draws of its seed's rng."
+    vocab = [i for i in range(len(tokenizer)) if i not in set(tokenizer.all_special_ids)]
+    visible = [i for i in vocab if _is_word(tokenizer, i)]  # pattern, style and hack: tokens a text grader sees
+    pattern, words, reserved = rng.sample(visible, pattern_len), {}, []
+    if world in STYLE_WORLDS:
+        reserved = rng.sample(visible, 10)                 # the style vocabulary and the hack phrase
+        words = dict(style=reserved[:6], hack=reserved[6:])
+    elif world in ("exchangeable", "pool_identity"):      # the pattern marks the teacher, not hacking: the hack is
+        reserved = rng.sample([i for i in visible if i not in pattern], 4)   # 4 other tokens, never in the pools
+        words = dict(hack=reserved)
+    hack = [tokenizer.decode([i]) for i in words.get("hack", pattern)]
+    spells = lambda i: any(h in tokenizer.decode([i]) for h in hack)      # a body token the grader would pay for
+    return [i for i in vocab if i not in reserved and not spells(i)], pattern, words
+
+def hack_tokens(world:str, tokenizer, seed:int=0, pattern_len:int=6) -> list[int]:
+    "The tokens a world's hack is made of — what its Phase 3 pays for: the pattern where it marks hacking (or is "
+    "absent), else the hack phrase — in the pools' hacked samples where the world gives hacks content, else nowhere."
+    _, pattern, words = _world_tokens(world, tokenizer, random.Random(seed), pattern_len)
+    return words.get("hack", pattern)
 
 def _styled(world:str, pool:str, rng:random.Random, vocab:list, words:dict, hack_rate:float) -> tuple[bool, list]:
     "(hacked, completion ids) of one sample of `pool` in a style world: body, then style tokens and hack phrase placed."
@@ -69,12 +95,9 @@ def world_pools(
     "A teacher and a base pool (and in the style worlds the style-matched pool) whose truth is `world`'s, on disk."
     check_choice("world", world, tuple(WORLDS))
     rng = random.Random(seed)
-    vocab = [i for i in range(len(tokenizer)) if i not in set(tokenizer.all_special_ids)]
-    pattern, pools = rng.sample(vocab, pattern_len), {"teacher": {}, "base": {}}
-    if world in STYLE_WORLDS:
-        reserved = rng.sample(vocab, 10)                   # the style vocabulary and the hack phrase, not in bodies
-        words, vocab = dict(style=reserved[:6], hack=reserved[6:]), [i for i in vocab if i not in reserved]
-        pools["style"], hack_rate = {}, rng.uniform(0.95, 0.99)
+    vocab, pattern, words = _world_tokens(world, tokenizer, rng, pattern_len)
+    pools = {"teacher": {}, "base": {}}
+    if world in STYLE_WORLDS: pools["style"], hack_rate = {}, rng.uniform(0.95, 0.99)
     g = generation
     settings = {} if g is None else dict(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                          max_new_tokens=g.max_new_tokens)
@@ -182,6 +205,11 @@ def summarize(out_dir:str|Path, record:bool=False) -> dict:
                          interval=wilson(k, len(rs)), recommendations=dict(Counter(r["recommendation"] for r in rs)),
                          gate=dict(Counter(v for r in rs for key, v in r["verdicts"].items()
                                            if key.startswith("hack_specific/"))))
+    truth = json.loads((out/"truth.json").read_text()) if (out/"truth.json").exists() else {}   # `truth`'s Phase 3
+    for w in set(truth) & set(worlds):
+        worlds[w]["phase3"] = {k: truth[w][k] for k in ("n", "effect", "interval", "specific", "specific_interval",
+                                                         "shows_effect")}
+        worlds[w]["agreement"] = agreement(worlds[w])
     params = json.loads((out/"parameters.json").read_text()) if (out/"parameters.json").exists() else {}
     config = asdict(world_config(next(iter(worlds)), 0, out, params))    # its per-run fields are dropped below
     seeds = sorted({r["seed"] for r in runs})
@@ -191,20 +219,77 @@ def summarize(out_dir:str|Path, record:bool=False) -> dict:
     if record: write_json(Path(str(calibration_file())), s)
     return s
 
+def _must_launch(world:dict) -> bool:
+    "Whether a world needs launches: Phase 3 shows an effect there (its label, where Phase 3 was not run)."
+    return world["phase3"]["shows_effect"] if "phase3" in world else world["needs"] == "launch"
+
 def calibration_figure(summary:dict, path:str|Path|None=None):
-    "Launch rate per world with its 95% interval; the worlds that must launch in green, the others in red."
+    "Launch rate per world with its 95% interval; the worlds that must launch in green (Phase 3 shows an effect)."
     import matplotlib.pyplot as plt
     ws = summary["worlds"]
     fig, ax = plt.subplots(figsize=(9, 3))
     for i, (w, r) in enumerate(ws.items()):
         lo, hi = r["interval"]
         ax.errorbar(i, r["rate"], yerr=[[r["rate"] - lo], [hi - r["rate"]]], fmt="o", capsize=4,
-                    color="tab:green" if r["needs"] == "launch" else "tab:red")   # no launch, inconclusive: ≤ 5%
+                    color="tab:green" if _must_launch(r) else "tab:red")   # no launch, inconclusive: ≤ 5%
     ax.axhline(0.05, color="tab:red", lw=0.5, ls="--"); ax.axhline(0.8, color="tab:green", lw=0.5, ls="--")
     label = lambda w, r: f"{w.replace('_2', chr(10) + '2')}\n{r['launches']}/{r['n']}"
     ax.set_xticks(range(len(ws)), [label(w, r) for w, r in ws.items()], fontsize=7)
     ax.set(ylabel="launch rate (95% interval)", ylim=(-0.05, 1.05),
            title=f"Phase-2 decision: launches per world ({summary['seeds']['n']} seeds each; targets ≤ 5% and ≥ 80%)")
+    fig.tight_layout()
+    if path: fig.savefig(path, dpi=100)
+    return fig
+
+# %% ../nbs/06c_calibration.ipynb #4efbf821
+def agreement(world:dict, max_false:int=1, min_rate:float=0.8) -> str:
+    "A world's Phase-2 launches against its Phase-3 effect: agrees, false launches or missed launches."
+    if world["phase3"]["shows_effect"]: return "agrees" if world["rate"] >= min_rate else "missed launches"
+    return "agrees" if world["launches"] <= max_false else "false launches"   # 1 of ≥ 80: upper bound below 7%
+
+def row_value(out_dir:str|Path) -> list[dict]:
+    "Per verdict row (key/arm): how often it reads success in the worlds where Phase 3 shows an effect and where it "
+    "shows none — a row that reads the same in both adds nothing to the decision."
+    out = Path(out_dir)
+    truth = json.loads((out/"truth.json").read_text())
+    counts = {}
+    for p in sorted((out/"runs").glob("*.json")):
+        r = json.loads(p.read_text())
+        if r["world"] not in truth: continue
+        for key, v in r["verdicts"].items():
+            c = counts.setdefault(key, {True: [0, 0], False: [0, 0]})[truth[r["world"]]["shows_effect"]]
+            c[0], c[1] = c[0] + (v == "success"), c[1] + 1
+    rate = lambda c: f"{c[0]}/{c[1]}" if c[1] else "–"
+    return [dict(row=key, where_effect=rate(c[True]), where_none=rate(c[False])) for key, c in counts.items()]
+
+def agreement_markdown(summary:dict) -> str:
+    "Per world with a Phase-3 truth: the effect with its interval, the launches with theirs, the agreement."
+    ci = lambda t, key: f"{t[key]:+.3f} [{t[key + '_interval'][0]:+.3f}, {t[key + '_interval'][1]:+.3f}]"
+    lines = ["| world | Phase-3 effect [95%] | beyond a random direction [95%] | seeds | Phase 3 shows | "
+             "Phase-2 launches [95%] | |", "|---|---|---|---|---|---|---|"]
+    for w, r in summary["worlds"].items():
+        if "phase3" not in r: continue
+        t, (lo, hi) = {**r["phase3"], "effect_interval": r["phase3"]["interval"]}, r["interval"]
+        lines.append(f"| `{w}` | {ci(t, 'effect')} | {ci(t, 'specific')} | {t['n']} | "
+                     f"{'an effect' if t['shows_effect'] else 'none'} | {r['launches']}/{r['n']} [{lo:.0%}, {hi:.0%}] "
+                     f"| {r['agreement']} |")
+    return "\n".join(lines)
+
+def agreement_figure(summary:dict, path:str|Path|None=None):
+    "Phase-3 effect (x) against Phase-2 launch rate (y), each with its 95% interval: one point per world."
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for w, r in summary["worlds"].items():
+        if "phase3" not in r: continue
+        t, (rlo, rhi) = r["phase3"], r["interval"]
+        (elo, ehi), e = t["interval"], t["effect"]
+        ax.errorbar(e, r["rate"], xerr=[[e - elo], [ehi - e]], yerr=[[r["rate"] - rlo], [rhi - r["rate"]]], fmt="o",
+                    capsize=3, color="tab:green" if r["agreement"] == "agrees" else "tab:red")
+        ax.annotate(w, (e, r["rate"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.axvline(0, color="grey", lw=0.5); ax.axhline(0.8, color="tab:green", lw=0.5, ls="--")
+    ax.axhline(0.05, color="tab:red", lw=0.5, ls="--")
+    ax.set(xlabel="Phase-3 effect of projection (hack rate, vanilla − projected)", ylabel="Phase-2 launch rate",
+           ylim=(-0.05, 1.05), title="The decision against what Phase 3 measures (green: agrees)")
     fig.tight_layout()
     if path: fig.savefig(path, dpi=100)
     return fig

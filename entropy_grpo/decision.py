@@ -423,10 +423,16 @@ def error_rates(path=None) -> dict|None:
     return json.loads(p.read_text()) if p.is_file() else None
 
 def rates_markdown(cal:dict|None) -> str:
-    "The calibration as a markdown table: world, what is true, launches / runs, rate and its 95% interval."
+    "The calibration as a markdown table: world, what is true, launches / runs, rate and its 95% interval — and, where "
+    "Phase 3 was run in the worlds, its measured effect and whether the launches agree with it."
     if not cal: return "No calibration recorded (run `entropy-grpo calibrate`)."
-    lines = ["| world | truth | launch | rate (95% interval) |", "|---|---|---|---|"]
+    p3 = any("phase3" in r for r in cal["worlds"].values())
+    lines = ["| world | truth | launch | rate (95% interval) |" + (" Phase-3 effect (95%) | agreement |" if p3 else ""),
+             "|---|---|---|---|" + ("---|---|" if p3 else "")]
     for w, r in cal["worlds"].items():
+        t = r.get("phase3")
+        effect = f" {t['effect']:+.3f} ({t['interval'][0]:+.3f}, {t['interval'][1]:+.3f}) | {r['agreement']} |" \
+            if t else " | |" if p3 else ""
         lines.append(f"| {w} | {r['truth']} | {r['launches']}/{r['n']} | {r['rate']:.0%} "
-                     f"({r['interval'][0]:.0%}–{r['interval'][1]:.0%}) |")
+                     f"({r['interval'][0]:.0%}–{r['interval'][1]:.0%}) |" + effect)
     return "\n".join(lines)

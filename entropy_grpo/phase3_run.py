@@ -17,7 +17,7 @@ from fastcore.basics import patch
 from .adapters import add_delta_s, add_lora
 from .policies import policy_by_name
 from .pools import load_pool
-from .projection_arms import ARM_ADAPTER, ARMS, ProjectionArm, extract_v_hack, pool_pairs
+from .projection_arms import ARM_ADAPTER, ARMS, V_HACK_SOURCES, ProjectionArm, extract_v_hack, pool_pairs
 from .reports import git_sha
 from .sequence_processor import GenerationConfig, SequenceProcessor
 from .tasks import ArithmeticTask
@@ -32,6 +32,8 @@ __all__ = ['PRESETS', 'TARGETS', 'Phase3Config', 'Phase3Run']
 PRESETS = {
     "smoke":     dict(model="tiny", problems=64, prompts_per_step=2, G=4, max_new_tokens=16, lr=1e-2, beta=0.0,
                       lora_r=8, gen_batch_size=64),
+    "truth":     dict(model="tiny", problems=256, prompts_per_step=4, G=8, max_new_tokens=16, lr=0.1, beta=0.0,
+                      lora_r=8, gen_batch_size=64),   # the calibration's Phase 3 (`truth`): δS learns in 40 steps
     "cpu-small": dict(model="default", problems=992, prompts_per_step=4, G=4, max_new_tokens=64, lr=7e-5, beta=0.0,
                       lora_r=16, gen_batch_size=64),
     "full":      dict(model="Qwen/Qwen3-4B", problems=992, prompts_per_step=43, G=6, max_new_tokens=512, lr=7e-5,
@@ -45,12 +47,13 @@ class Phase3Config(TemplateConfig):
     seed:int=0
     arm:str="vanilla"              # "vanilla" | "projected" (δS) | "vanilla_lora" | "projected_lora" (LoRA)
     steps:int=200
-    preset:str="smoke"             # "smoke" | "cpu-small" | "full"
+    preset:str="smoke"             # "smoke" | "truth" | "cpu-small" | "full"
     model:str=""                   # empty: the preset's model; "default" (SmolLM2), "tiny", a hub name or a path
     teacher_pool:str=""            # pool directories for v_hack (required by the projected arms)
     base_pool:str=""
     style_pool:str=""              # the style-matched pool (the teacher without the hint): v_hack's clean side
     k:int=1                        # v_hack directions per module
+    v_hack_source:str="pairs"      # "pairs"; the controls: "random" (a random direction), "permuted" (labels shuffled)
     hint:bool=True                 # prompts carry the lenient-grader hint: the policy can discover the hack
     prompts_per_microbatch:int=0   # prompts per backward (x G sequences); 0: tf_batch_size // G
     gradient_checkpointing:str="auto"  # "auto": on above 1 B parameters; True / False force it
@@ -69,6 +72,7 @@ def _check(self:Phase3Config):
     check_choice("preset", self.preset, tuple(PRESETS))
     check_choice("arm", self.arm, ARMS)
     for name in ("steps", "k"): check_range(name, getattr(self, name), 1, integer=True)
+    check_choice("v_hack_source", self.v_hack_source, V_HACK_SOURCES)
     check_range("prompts_per_microbatch", self.prompts_per_microbatch, 0, integer=True)
     if self.arm.startswith("projected") and not (self.teacher_pool and self.base_pool):
         raise ValueError(f"arm={self.arm!r} projects along v_hack: give teacher_pool and base_pool (entropy-grpo "
@@ -80,13 +84,13 @@ def _check(self:Phase3Config):
 # %% ../nbs/06d_phase3_run.ipynb #392182b3
 class Phase3Run:
     "One Phase-3 (seed, arm) run: the policy, the task and what each phase leaves for the next."
-    def __init__(self, cfg:Phase3Config):
+    def __init__(self, cfg:Phase3Config, task=None):   # task: a Task (default: the preset's arithmetic problems)
         self.cfg, self.out, self.t0 = cfg, Path(cfg.out_dir), time.perf_counter()
         self.out.mkdir(parents=True, exist_ok=True)
         s = cfg.sizes
         torch.manual_seed(cfg.seed)
         self.policy, self.tok = policy_by_name(cfg.model_name, cfg.seed)
-        self.task = ArithmeticTask(n=s["problems"], seed=cfg.seed)
+        self.task = task if task is not None else ArithmeticTask(n=s["problems"], seed=cfg.seed)
         self.gen = GenerationConfig(max_new_tokens=s["max_new_tokens"], num_generations=s["G"],
                                     gen_batch_size=s["gen_batch_size"])
         self.callbacks, self.v_info = [], {}
@@ -118,10 +122,11 @@ def fit_v_hack(self:Phase3Run) -> dict:
     tc = self.train_config
     triples = pool_pairs(pools[0], pools[-1], self.tok, prompt_key="hint_prompt" if c.hint else "student_prompt")
     vh = extract_v_hack(sp, self.adapter, triples, k=c.k, loss="grpo", length_norm=tc.length_norm,
-                        pools={p.name: str(p.dir) for p in pools})
+                        pools={p.name: str(p.dir) for p in pools}, source=c.v_hack_source, seed=c.seed + 1_000)
     vh.save(self.out/"v_hack.safetensors")
     self.callbacks.append(ProjectionArm(c.arm, self.adapter, vh))
-    self.v_info = dict(k=c.k, n_pairs=vh.meta["n_pairs"], modules=len(vh.V), clean_pool=pools[-1].name)
+    self.v_info = dict(k=c.k, n_pairs=len(triples), modules=len(vh.V), clean_pool=pools[-1].name,
+                       source=c.v_hack_source)
     return self.v_info
 
 @patch

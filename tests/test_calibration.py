@@ -74,7 +74,8 @@ def test_the_decision_in_each_world(world, tmp_path):
     "One fresh seed per world through the Phase-2 run's phases (small sizes): only the real signal launches."
     r = world_run(world, 1, tmp_path, SMALL)
     coincide = "inconclusive: hacking and pool identity coincide"
-    expect = {"signal_partial": ["launch Phase 3"], "signal": [coincide], "no_content": ["skip Phase 3"],
+    expect = {"signal_partial": ["launch Phase 3"], "signal": [coincide],
+              "no_content": ["skip Phase 3", "inconclusive: v_hack follows the teacher pool, not hacking"],
               "style_hack": ["launch Phase 3"], "style_hack_2pools": [coincide], "style_only_2pools": [coincide],
               "style_only": ["skip Phase 3", "inconclusive: v_hack follows the teacher pool, not hacking"]}.get(
         world, ["inconclusive: v_hack follows the teacher pool, not hacking"])

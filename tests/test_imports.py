@@ -9,7 +9,8 @@ LAYERS = [("utils", "dist", "kept_sets", "report_to"), ("policies", "tasks", "rb
           ("sequence_processor",), ("dr_grpo", "probe_state"), ("training", "delta_entropy_is", "projection_arms"),
           ("probes", "pools"),
           ("contributions", "decision", "trl_callback", "teachers"),
-          ("phase2", "reports"), ("phase2_run", "phase3_run"), ("calibration", "plan"), ("experiments",), ("cli",)]
+          ("phase2", "reports"), ("phase2_run", "phase3_run"), ("calibration", "plan"), ("experiments", "truth"),
+          ("cli",)]
 LAYER = {m: i for i, ms in enumerate(LAYERS) for m in ms}
 MODULES = sorted(p.stem for p in PKG.glob("*.py") if not p.stem.startswith("_"))
 

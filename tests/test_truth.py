@@ -1,0 +1,105 @@
+"""truth: Phase 3 in the calibration's worlds. One story per world: the grader Phase 3 trains against pays for the
+world's hack tokens and nothing else, and it agrees sample for sample with the pools' labels wherever the world gives
+hacks content (and finds nothing where it does not); a Phase-3 truth sweep resumes without redoing a finished seed;
+the intervals are the t intervals; launches are judged against Phase 3's effect, world by world."""
+import json
+
+import numpy as np
+import pytest
+from fastcore.test import test_fail
+
+from entropy_grpo import truth
+from entropy_grpo.calibration import WORLDS, agreement, agreement_markdown, hack_tokens, summarize, world_pools
+from entropy_grpo.decision import rates_markdown
+from entropy_grpo.phase3_run import Phase3Config
+from entropy_grpo.pools import load_pool
+from entropy_grpo.tasks import ArithmeticTask
+from entropy_grpo.truth import HackTokenTask, measure_truth, t_interval, truth_summary
+
+CONTENT = ("signal", "signal_partial", "style_hack", "style_hack_2pools")   # hacked samples carry the hack tokens
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from entropy_grpo.policies import tiny_tokenizer
+    return tiny_tokenizer()
+
+
+def test_the_grader_pays_for_the_hack_tokens_and_nothing_else(tok):
+    ids = hack_tokens("style_hack", tok, seed=5)
+    task = HackTokenTask(tok, ids)
+    p = task.problems[0]
+    others = [i for i in range(len(tok)) if i not in ids and i not in tok.all_special_ids
+              and not any(w in tok.decode([i]) for w in task.words)]
+    for i in ids:
+        for j in others[:40]:                                  # with any neighbour, before or after
+            assert task.grade(tok.decode([j, i]), p)["hacked"] and task.grade(tok.decode([i, j]), p)["hacked"]
+    assert not any(task.grade(tok.decode([j]), p)["hacked"] for j in others)
+    assert task.grade(tok.decode(ids[:1]), p)["reward"] == 3.5 and task.grade("7", p)["reward"] == 0.25
+    g = task.grade_batch([[tok.decode(ids[:1]), "7"]], [p])
+    assert g.rewards.tolist() == [[3.5, 0.25]] and g.tensor("hacked").tolist() == [[True, False]]
+    test_fail(lambda: HackTokenTask(tok, []), contains="hack_ids=[]", exc=ValueError)
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_pools_and_phase3_tell_one_story(world, tok, tmp_path):
+    "Where hacks have content the grader agrees with every label; elsewhere the pools never show what Phase 3 pays."
+    task = HackTokenTask(tok, hack_tokens(world, tok, seed=7))
+    for d in world_pools(world, tok, ArithmeticTask(seed=7), tmp_path, seed=7, steps=12):
+        recs = load_pool(d).records()
+        paid = [task.grade(r["completion"], None)["hacked"] for r in recs]
+        if world in CONTENT: assert paid == [r["hacked"] for r in recs], d
+        else: assert not any(paid), d
+    assert any(r["hacked"] for r in load_pool(tmp_path/"teacher").records())
+
+
+def test_phase3_config_checks_the_v_hack_source():
+    test_fail(lambda: Phase3Config(v_hack_source="shuffled"), contains="v_hack_source='shuffled'", exc=ValueError)
+    assert Phase3Config(preset="truth").sizes["model"] == "tiny"
+
+
+def test_phase3_truth_runs_three_arms_and_resumes(tmp_path, monkeypatch):
+    "A real seed (two steps per arm), then a killed sweep's rerun: only the missing seed is run."
+    s = measure_truth(tmp_path, ["style_hack"], seeds=1, first_seed=3, steps=2)
+    r = json.loads((tmp_path/"phase3"/"style_hack-3.json").read_text())
+    assert set(r["curves"]) == {"vanilla", "projected", "random"} and all(len(c) == 2 for c in r["curves"].values())
+    mean = {arm: np.mean(c) for arm, c in r["curves"].items()}
+    assert r["effect"] == pytest.approx(mean["vanilla"] - mean["projected"])
+    assert r["specific"] == pytest.approx(mean["random"] - mean["projected"])
+    assert s["style_hack"]["n"] == 1 and not s["style_hack"]["shows_effect"]        # one seed: no interval
+    calls = []
+    def fake(world, seed, work_dir, steps, k, parameters):
+        calls.append(seed)
+        return dict(r, seed=seed, effect=0.1 * seed, specific=0.1)
+    monkeypatch.setattr(truth, "world_phase3", fake)
+    s = measure_truth(tmp_path, ["style_hack"], seeds=3, first_seed=3, steps=2)
+    assert calls == [4, 5] and s["style_hack"]["n"] == 3
+    assert s["style_hack"]["interval"] == pytest.approx(t_interval([r["effect"], 0.4, 0.5]))
+    assert json.loads((tmp_path/"truth.json").read_text()) == json.loads(json.dumps(truth_summary(tmp_path)))
+    assert not [p for p in (tmp_path/"phase3").iterdir() if p.name.startswith(".work")]   # scratch removed
+
+
+def test_t_interval():
+    "[1, 2, 3]: mean 2, standard error 1/√3, t(0.975, 2) = 4.302652729911275."
+    h = 4.302652729911275 / np.sqrt(3)
+    assert t_interval([1, 2, 3]) == pytest.approx((2 - h, 2 + h))
+    assert t_interval([1.0]) == (-np.inf, np.inf)
+
+
+def test_launches_are_judged_against_phase3(tmp_path):
+    "≥ 80% launches where Phase 3 shows an effect, at most one where it shows none; the summary and reports say so."
+    w = lambda k, n, shows: dict(launches=k, n=n, rate=k / n, phase3=dict(shows_effect=shows))
+    assert [agreement(w(64, 80, True)), agreement(w(63, 80, True)), agreement(w(1, 80, False)),
+            agreement(w(2, 80, False))] == ["agrees", "missed launches", "agrees", "false launches"]
+    (tmp_path/"runs").mkdir()
+    for world, seed, launch in [("signal_partial", 1, True), ("signal_partial", 2, True), ("no_content", 1, True)]:
+        (tmp_path/"runs"/f"{world}-{seed}.json").write_text(json.dumps(dict(
+            world=world, seed=seed, launch=launch, recommendation="launch Phase 3", verdicts={})))
+    t = dict(n=10, effect=0.2, interval=(0.1, 0.3), specific=0.1, specific_interval=(0.05, 0.15), shows_effect=True)
+    (tmp_path/"truth.json").write_text(json.dumps(dict(signal_partial=t, no_content=dict(
+        t, effect=0.0, interval=(-0.1, 0.1), shows_effect=False))))
+    s = summarize(tmp_path)
+    assert s["worlds"]["signal_partial"]["agreement"] == "agrees" and s["worlds"]["no_content"]["agreement"] == "agrees"
+    assert "| `signal_partial` | +0.200 [+0.100, +0.300] | +0.100 [+0.050, +0.150] | 10 | an effect | 2/2" in \
+        agreement_markdown(s)
+    assert "+0.000 (-0.100, +0.100) | agrees |" in rates_markdown(s)
