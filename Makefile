@@ -45,7 +45,9 @@ test: export-check nbtest pytest
 POOLS := runs/demo/0-projected/pools
 record: setup
 	$(BIN)/entropy-grpo demo --out runs/demo/0-projected
-	$(BIN)/entropy-grpo calibrate --seeds 40 --out runs/calibration -p record=True
+	$(BIN)/entropy-grpo calibrate --seeds 40 --out runs/calibration -p first_seed=2000 -p record=True
+	$(BIN)/python -c "from entropy_grpo.truth import measure_truth; measure_truth('runs/calibration/k8', \
+	    ['signal_partial', 'no_content', 'style_hack', 'style_only'], seeds=8, first_seed=2000, k=8)"
 	$(BIN)/entropy-grpo phase1 --out runs/phase1 -p pool_steps=12 \
 	    -p teacher_pool="'$(POOLS)/teacher'" -p base_pool="'$(POOLS)/base'"
 	$(BIN)/entropy-grpo sweep --out runs/phase3 --seeds 0 --arms vanilla projected --steps 5 --force \

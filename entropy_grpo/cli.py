@@ -69,7 +69,8 @@ def cli_parser() -> argparse.ArgumentParser:
         x.add_argument("--out", help="run directory (its LOG.md goes beside it)")
     for x in (d, p): x.add_argument("--arm", help="the projected arm (default projected; or -p arm=...)")
     c = _run_parser(sub, "calibrate", "calibration", "the Phase-2 decision in synthetic worlds over fresh seeds: "
-                    "launch rate per world with its 95%% interval (report under runs/local/calibration)", common)
+                    "launch rate per world with its 95%% interval, beside the effect Phase 3 measures there "
+                    "(report under runs/local/calibration)", common)
     c.add_argument("--seeds", type=int, help="fresh seeds per world (default 40; or -p seeds=N, not both)")
     c.add_argument("--out", help="run directory (an interrupted calibration resumes from its finished seeds; its "
                    "LOG.md goes beside it)")
