@@ -159,7 +159,7 @@ def test_bad_input_is_one_line_and_exit_status_2_before_any_work(argv, text, tmp
 def test_run_commands_list_their_template_parameters(capsys):
     for cmd, name, text in (("probe", "teacher_pool", "an existing teacher pool directory"),
                             ("phase1", "fit_steps", "the first fit_steps step files fit v_hack"),
-                            ("sweep", "preset", '"smoke" | "cpu-small" | "full"')):
+                            ("sweep", "preset", '"smoke" | "truth" | "cpu-small" | "full"')):
         with pytest.raises(SystemExit) as e: main([cmd, "--help"])
         out = capsys.readouterr().out
         assert e.value.code == 0 and "template (-p NAME=VALUE):" in out
