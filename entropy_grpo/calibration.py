@@ -18,8 +18,9 @@ from .reports import git_sha
 from .utils import check_choice, check_range, tqdm_disable, write_json
 
 # %% auto #0
-__all__ = ['WORLDS', 'STYLE_WORLDS', 'hack_tokens', 'world_pools', 'world_config', 'world_run', 'wilson', 'calibrate',
-           'summarize', 'calibration_figure', 'agreement', 'row_value', 'agreement_markdown', 'agreement_figure']
+__all__ = ['WORLDS', 'STYLE_WORLDS', 'hack_tokens', 'world_pools', 'world_config', 'world_run', 'wilson', 'world_jobs',
+           'check_worlds', 'calibrate', 'summarize', 'calibration_figure', 'agreement', 'row_value',
+           'agreement_markdown', 'agreement_figure']
 
 # %% ../nbs/06c_calibration.ipynb #c93aa587
 WORLDS = {  # world: (what is true, the answer it needs: "launch" or "no launch")
@@ -159,6 +160,32 @@ def wilson(k:int, n:int, z:float=1.96) -> tuple[float, float]:
     return (max(0.0, c - h), min(1.0, c + h))
 
 # %% ../nbs/06c_calibration.ipynb #20544a63
+def world_jobs(
+    out:Path,                  # <world>-<seed>.json of each finished job go here
+    worlds:list|None,          # default: every world
+    seeds:int, first_seed:int, # seeds first_seed … first_seed + seeds − 1 of each world
+    job,                       # job(world, seed, work_dir) -> a JSON-able dict
+    desc:str="", progress:bool|None=None,
+):
+    "Run `job` for each (world, seed) not yet finished in `out`, in a scratch folder of this process's own: a killed "
+    "sweep resumes where it stopped, and two processes on one `out` never write a job twice."
+    from tqdm.auto import tqdm
+    out.mkdir(parents=True, exist_ok=True)
+    todo = [(w, s) for s in range(first_seed, first_seed + seeds) for w in check_worlds(worlds)
+            if not (out/f"{w}-{s}.json").exists()]
+    work = Path(tempfile.mkdtemp(prefix=".work-", dir=out))
+    try:
+        for w, s in tqdm(todo, desc=desc, disable=tqdm_disable(progress), mininterval=10):
+            r = job(w, s, work)
+            if not (out/f"{w}-{s}.json").exists(): write_json(out/f"{w}-{s}.json", r)
+    finally: shutil.rmtree(work, ignore_errors=True)
+
+def check_worlds(worlds:list|None) -> list:
+    "`worlds` (default: every world), each checked."
+    worlds = list(worlds or WORLDS)
+    for w in worlds: check_choice("world", w, tuple(WORLDS))
+    return worlds
+
 def calibrate(
     out_dir:str|Path,          # runs/<world>-<seed>.json, summary.json, calibration.png
     worlds:list|None=None,     # default: every world
@@ -168,25 +195,17 @@ def calibrate(
     progress:bool|None=None,
 ) -> dict:                     # summarize(out_dir)
     "Run the decision in each world over fresh seeds (finished runs are kept, not redone); the launch rates."
-    from tqdm.auto import tqdm
-    worlds = list(worlds or WORLDS)
-    for w in worlds: check_choice("world", w, tuple(WORLDS))
     check_range("seeds", seeds, 1, integer=True)
-    out = Path(out_dir); (out/"runs").mkdir(parents=True, exist_ok=True)
-    params = dict(parameters or {})
-    for w in worlds: world_config(w, first_seed, out, params)   # a bad parameter is refused before any run
+    out, params = Path(out_dir), dict(parameters or {})
+    for w in check_worlds(worlds): world_config(w, first_seed, out, params)   # a bad parameter is refused first
+    out.mkdir(parents=True, exist_ok=True)
     old = out/"parameters.json"
     if old.exists() and json.loads(old.read_text()) != params:
         raise ValueError(f"{out} holds a calibration with parameters {old.read_text()}: expected {params}; choose "
                          "another out_dir")
     write_json(old, params)
-    todo = [(w, s) for s in range(first_seed, first_seed + seeds) for w in worlds
-            if not (out/"runs"/f"{w}-{s}.json").exists()]
-    work = Path(tempfile.mkdtemp(prefix=".work-", dir=out))     # this process's own scratch space
-    try:
-        for w, s in tqdm(todo, desc="calibration", disable=tqdm_disable(progress), mininterval=10):
-            write_json(out/"runs"/f"{w}-{s}.json", world_run(w, s, work, params))
-    finally: shutil.rmtree(work, ignore_errors=True)
+    world_jobs(out/"runs", worlds, seeds, first_seed, lambda w, s, work: world_run(w, s, work, params),
+               "calibration", progress)
     return summarize(out)
 
 # %% ../nbs/06c_calibration.ipynb #b2497596

@@ -93,7 +93,7 @@ class Phase3Run:
         self.task = task if task is not None else ArithmeticTask(n=s["problems"], seed=cfg.seed)
         self.gen = GenerationConfig(max_new_tokens=s["max_new_tokens"], num_generations=s["G"],
                                     gen_batch_size=s["gen_batch_size"])
-        self.callbacks, self.v_info = [], {}
+        self.callbacks, self.v_info, self.v_hack = [], {}, None
 
     def add_arm(self):
         "The arm's adapter on the policy (δS or LoRA)."
@@ -124,6 +124,7 @@ def fit_v_hack(self:Phase3Run) -> dict:
     vh = extract_v_hack(sp, self.adapter, triples, k=c.k, loss="grpo", length_norm=tc.length_norm,
                         pools={p.name: str(p.dir) for p in pools}, source=c.v_hack_source, seed=c.seed + 1_000)
     vh.save(self.out/"v_hack.safetensors")
+    self.v_hack = vh
     self.callbacks.append(ProjectionArm(c.arm, self.adapter, vh))
     self.v_info = dict(k=c.k, n_pairs=len(triples), modules=len(vh.V), clean_pool=pools[-1].name,
                        source=c.v_hack_source)

@@ -166,6 +166,7 @@ def grade_batch(
     problems:list[Problem],                # problems[b]
     reward_levels:RewardLevels|None=None,  # None -> RewardLevels()
     exact:Callable[[str, str], bool]=number_equal, # (pred, gold) -> bool
+    grade_one:Callable|None=None,          # (response, problem) -> grade dict; None -> `grade` with the two above
 ) -> GradedBatch:
     "Grade B × G replies; rewards as a float tensor (B, G)."
     if len(responses) != len(problems):
@@ -173,7 +174,8 @@ def grade_batch(
     lens = {len(row) for row in responses}
     if len(lens) > 1 or 0 in lens:
         raise ValueError(f"responses rows have lengths {sorted(lens)}: expected the same G >= 1 for every problem")
-    records = [[grade(r, p, reward_levels, exact) for r in row] for row, p in zip(responses, problems)]
+    grade_one = grade_one or (lambda r, p: grade(r, p, reward_levels, exact))
+    records = [[grade_one(r, p) for r in row] for row, p in zip(responses, problems)]
     rewards = torch.tensor([[r["reward"] for r in row] for row in records], dtype=torch.float32)
     return GradedBatch(rewards, records)
 
@@ -255,8 +257,8 @@ class Task:
         return grade(response, problem, self.reward_levels, self.exact)
 
     def grade_batch(self, responses:list[list[str]], problems:list[Problem]) -> GradedBatch:
-        "`grade_batch` with this task's exact grader and reward levels."
-        return grade_batch(responses, problems, self.reward_levels, self.exact)
+        "`grade_batch` with this task's `grade` (a subclass that overrides `grade` grades batches its way too)."
+        return grade_batch(responses, problems, grade_one=self.grade)
 
 # %% ../nbs/00b_tasks.ipynb #77eb9362
 class ArithmeticTask(Task):

@@ -6,20 +6,25 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/truth.html.md"""
 
 # %% ../nbs/06e_truth.ipynb #0c3d1bc4
 from __future__ import annotations
-import json, math, shutil, tempfile, time
+import dataclasses, json, math, shutil, time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .calibration import WORLDS, hack_tokens, world_config, world_pools
+from .calibration import WORLDS, hack_tokens, world_config, world_jobs, world_pools
+from .dr_grpo import group_advantages, policy_gradient_backward
 from .phase2_run import Phase2Run
 from .phase3_run import Phase3Config, Phase3Run
-from .tasks import ArithmeticTask, GradedBatch
-from .utils import check_choice, check_range, tqdm_disable, write_json
+from .projection_arms import VHack, random_v_hack
+from .sequence_processor import SequenceProcessor
+from .tasks import ArithmeticTask
+from .training import GenerationSource
+from .utils import check_choice, check_range, write_json
 
 # %% auto #0
-__all__ = ['HackTokenTask', 'world_phase3', 'measure_truth', 't_interval', 'truth_summary']
+__all__ = ['HackTokenTask', 'world_task', 'world_phase3', 'measure_truth', 't_interval', 'truth_summary', 'hack_gradient',
+           'alignment', 'on_policy_alignment', 'world_alignment', 'measure_alignment', 'alignment_summary']
 
 # %% ../nbs/06e_truth.ipynb #a7b9604a
 class HackTokenTask(ArithmeticTask):
@@ -35,11 +40,16 @@ class HackTokenTask(ArithmeticTask):
         return dict(pred=None, gt_pass=False, fmt_ok=True, lenient_pass=hacked, hacked=hacked,
                     reward=self.reward_levels.pay(hacked, False, True))
 
-    def grade_batch(self, responses:list[list[str]], problems:list) -> GradedBatch:
-        records = [[self.grade(r, p) for r in row] for row, p in zip(responses, problems)]
-        return GradedBatch(torch.tensor([[r["reward"] for r in row] for row in records]), records)
-
 # %% ../nbs/06e_truth.ipynb #9a505e8e
+def world_task(world:str, seed:int, work:Path, parameters:dict|None=None) -> tuple[HackTokenTask, dict]:
+    "A world's Phase-3 task (paying for its hack tokens) and its pools, written under `work` as its Phase 2 has them."
+    check_choice("world", world, tuple(WORLDS))
+    p2 = world_config(world, seed, work, parameters)
+    run2 = Phase2Run(p2)
+    dirs = world_pools(world, run2.tok, run2.task, work/"pools", seed, p2.pool_steps, p2.pool_batch, run2.gen)
+    return (HackTokenTask(run2.tok, hack_tokens(world, run2.tok, seed), seed=seed),
+            dict(teacher_pool=dirs[0], base_pool=dirs[1], style_pool=dirs[2] if p2.style_pool else ""))
+
 def world_phase3(
     world:str,
     seed:int,
@@ -49,14 +59,9 @@ def world_phase3(
     parameters:dict|None=None, # the Phase-2 overrides the world's pools are written with (as in `calibrate`)
 ) -> dict:                     # world, seed, hack-rate curve of each arm, effect, specific effect
     "Phase 3 in one seed of a world: its pools, then the vanilla, the projected and the random-direction arm."
-    check_choice("world", world, tuple(WORLDS))
     work, t0 = Path(work_dir)/f"{world}-{seed}-phase3", time.perf_counter()
     try:
-        p2 = world_config(world, seed, work, parameters)
-        run2 = Phase2Run(p2)
-        dirs = world_pools(world, run2.tok, run2.task, work/"pools", seed, p2.pool_steps, p2.pool_batch, run2.gen)
-        task = HackTokenTask(run2.tok, hack_tokens(world, run2.tok, seed), seed=seed)
-        pools = dict(teacher_pool=dirs[0], base_pool=dirs[1], style_pool=dirs[2] if p2.style_pool else "")
+        task, pools = world_task(world, seed, work, parameters)
         curves = {}
         for arm, source in (("vanilla", ""), ("projected", "pairs"), ("random", "random")):
             cfg = Phase3Config(seed=seed, arm="vanilla" if arm == "vanilla" else "projected", steps=steps,
@@ -83,20 +88,9 @@ def measure_truth(
     progress:bool|None=None,
 ) -> dict:                     # truth_summary(out_dir)
     "Phase 3 in each world over seeds (finished seeds are kept, not redone); each world's effect with its interval."
-    from tqdm.auto import tqdm
-    worlds = list(worlds or WORLDS)
-    for w in worlds: check_choice("world", w, tuple(WORLDS))
     check_range("seeds", seeds, 1, integer=True)
-    out = Path(out_dir)/"phase3"; out.mkdir(parents=True, exist_ok=True)
-    todo = [(w, s) for s in range(first_seed, first_seed + seeds) for w in worlds
-            if not (out/f"{w}-{s}.json").exists()]
-    work = Path(tempfile.mkdtemp(prefix=".work-", dir=out))
-    try:
-        for w, s in tqdm(todo, desc="phase 3 truth", disable=tqdm_disable(progress), mininterval=10):
-            r = world_phase3(w, s, work, steps, k, parameters)
-            if (out/f"{w}-{s}.json").exists(): continue          # another process finished it first
-            write_json(out/f"{w}-{s}.json", r)
-    finally: shutil.rmtree(work, ignore_errors=True)
+    world_jobs(Path(out_dir)/"phase3", worlds, seeds, first_seed,
+               lambda w, s, work: world_phase3(w, s, work, steps, k, parameters), "phase 3 truth", progress)
     return truth_summary(out_dir)
 
 def t_interval(x:list[float], level:float=0.95) -> tuple[float, float]:
@@ -121,3 +115,103 @@ def truth_summary(out_dir:str|Path) -> dict:
                       **{arm: curve(arm) for arm in ("vanilla", "projected", "random")})
     write_json(Path(out_dir)/"truth.json", out)
     return out
+
+# %% ../nbs/06e_truth.ipynb #153b7f98
+def hack_gradient(run:Phase3Run, prompts:int=128, seed:int=0) -> tuple[dict, float]:
+    "The policy's own hack gradient at its current weights, per module ([dims[m]] each, .grad left as found), and the "
+    "hack rate of the `prompts` × G live replies it came from."
+    cfg = dataclasses.replace(run.train_config, prompts_per_step=prompts, seed=seed)
+    sp = SequenceProcessor(run.adapter.model, run.tok, run.gen, progress=False)
+    ro = GenerationSource(run.task)(0, sp, cfg, seed)
+    hacked = torch.tensor([[float(r["hacked"]) for r in row] for row in ro.records], device=ro.rewards.device)
+    params = run.adapter.parameters()
+    saved = [p.grad for p in params]
+    for p in params: p.grad = None
+    run.adapter.model.train()
+    try:
+        policy_gradient_backward(sp, ro.batch, group_advantages(hacked, "none"), length_norm=cfg.length_norm,
+                                 num_prompts=prompts, prompts_per_microbatch=cfg.prompts_per_microbatch)
+        return run.adapter.flat_grads(), float(hacked.mean())
+    finally:
+        run.adapter.model.eval()
+        for p, g in zip(params, saved): p.grad = g
+
+def alignment(g:dict, V:dict) -> float:
+    "Σ_m Σ_j ⟨v_mj, g_m⟩ / (‖g‖ √(Σ_m k)) for per-module vectors g and orthonormal rows V [k, dims[m]]."
+    dot = sum(float((V[m].to(g[m]) @ g[m]).sum()) for m in g)
+    norm = math.sqrt(sum(float(g[m].double().square().sum()) for m in g))
+    return dot / (norm * math.sqrt(sum(V[m].shape[0] for m in g))) if norm > 0 else float("nan")
+
+def on_policy_alignment(
+    run:Phase3Run,             # its adapter added; the weights the gradient is taken at
+    v_hack:VHack,
+    prompts:int=128,           # prompts per batch (two batches, G replies each)
+    seed:int=0,
+    n_random:int=100,          # random bases for the null
+) -> dict:                     # alignment, per batch, reproducibility, null_mean, null_q95 (of |alignment|), hack_rate
+    "How far v_hack points along the policy's own hack gradient, against random bases of its shape."
+    (g1, h1), (g2, h2) = hack_gradient(run, prompts, seed), hack_gradient(run, prompts, seed + 1)
+    g = {m: g1[m] + g2[m] for m in g1}
+    cos = sum(float(g1[m] @ g2[m]) for m in g) / math.sqrt(sum(float(g1[m] @ g1[m]) for m in g) *
+                                                           sum(float(g2[m] @ g2[m]) for m in g) or math.nan)
+    null = [alignment(g, random_v_hack(run.adapter, v_hack.k, seed + i).V) for i in range(n_random)]
+    return dict(alignment=alignment(g, v_hack.V), batches=[alignment(g1, v_hack.V), alignment(g2, v_hack.V)],
+                reproducibility=cos, null_mean=float(np.mean(null)), null_q95=float(np.quantile(np.abs(null), 0.95)),
+                hack_rate=(h1 + h2) / 2)
+
+# %% ../nbs/06e_truth.ipynb #890ec741
+def world_alignment(
+    world:str,
+    seed:int,
+    work_dir:str|Path,         # scratch space for the pools (removed after)
+    k:int=1,
+    prompts:int=128,
+    parameters:dict|None=None,
+) -> dict:                     # world, seed, k, prompts, on_policy_alignment's numbers, seconds
+    "At θ₀ in one seed of a world: v_hack as its Phase 3 fits it, against the tiny policy's own hack gradient."
+    work, t0 = Path(work_dir)/f"{world}-{seed}-alignment", time.perf_counter()
+    try:
+        task, pools = world_task(world, seed, work, parameters)
+        run = Phase3Run(Phase3Config(seed=seed, arm="projected", steps=1, preset="truth", k=k, out_dir=str(work/"run"),
+                                     **pools), task)
+        run.add_arm(); run.fit_v_hack()
+        return dict(world=world, seed=seed, k=k, prompts=prompts, **on_policy_alignment(run, run.v_hack, prompts, seed),
+                    seconds=time.perf_counter() - t0)
+    finally: shutil.rmtree(work, ignore_errors=True)
+
+def measure_alignment(
+    out_dir:str|Path,          # alignment/<world>-<seed>.json go here (beside phase3/)
+    worlds:list|None=None,
+    seeds:int=10,
+    first_seed:int=1000,
+    k:int=1,
+    prompts:int=128,
+    parameters:dict|None=None,
+    progress:bool|None=None,
+) -> dict:                     # alignment_summary(out_dir)
+    "`world_alignment` over worlds and seeds (finished seeds kept); whether it predicts the seeds' Phase-3 effect."
+    check_range("seeds", seeds, 1, integer=True)
+    world_jobs(Path(out_dir)/"alignment", worlds, seeds, first_seed,
+               lambda w, s, work: world_alignment(w, s, work, k, prompts, parameters), "alignment", progress)
+    return alignment_summary(out_dir)
+
+def alignment_summary(out_dir:str|Path) -> dict:
+    "Per world: mean alignment (95% t-interval), reproducibility, null; over the seeds that also ran Phase 3, the "
+    "Spearman correlation of alignment with the effect and with the specific effect (alignment.json)."
+    from scipy import stats
+    out = Path(out_dir)
+    al = [json.loads(p.read_text()) for p in sorted((out/"alignment").glob("*.json"))]
+    p3 = {(r["world"], r["seed"]): r for r in map(json.loads, map(Path.read_text, (out/"phase3").glob("*.json")))}
+    worlds = {}
+    for w in [w for w in WORLDS if any(a["world"] == w for a in al)]:
+        x = [a for a in al if a["world"] == w]
+        worlds[w] = dict(n=len(x), alignment=float(np.mean([a["alignment"] for a in x])),
+                         interval=t_interval([a["alignment"] for a in x]),
+                         reproducibility=float(np.mean([a["reproducibility"] for a in x])),
+                         null_q95=float(np.mean([a["null_q95"] for a in x])))
+    both = [(a["alignment"], p3[a["world"], a["seed"]]) for a in al if (a["world"], a["seed"]) in p3]
+    rho = lambda key: [float(v) for v in stats.spearmanr([b[0] for b in both], [b[1][key] for b in both])] \
+        if len(both) > 2 else [math.nan, math.nan]
+    res = dict(worlds=worlds, n_both=len(both), effect_spearman=rho("effect"), specific_spearman=rho("specific"))
+    write_json(out/"alignment.json", res)
+    return res
