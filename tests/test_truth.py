@@ -103,3 +103,95 @@ def test_launches_are_judged_against_phase3(tmp_path):
     assert "| `signal_partial` | +0.200 [+0.100, +0.300] | +0.100 [+0.050, +0.150] | 10 | an effect | 2/2" in \
         agreement_markdown(s)
     assert "+0.000 (-0.100, +0.100) | agrees |" in rates_markdown(s)
+
+
+def test_alignment_against_hand_computed_values():
+    "Σ_m Σ_j ⟨v_mj, g_m⟩ / (‖g‖ √(Σ_m k)): 1 along equal rows, 0 orthogonal, a hand case, NaN for a zero gradient."
+    import torch
+    V = {"a": torch.tensor([[1.0, 0.0, 0.0]]), "b": torch.tensor([[0.0, 1.0]])}
+    assert truth.alignment({"a": torch.tensor([2.0, 0, 0]), "b": torch.tensor([0, 2.0])}, V) == pytest.approx(1.0)
+    assert truth.alignment({"a": torch.tensor([0, 3.0, 4.0]), "b": torch.tensor([1.0, 0])}, V) == 0.0
+    g = {"a": torch.tensor([3.0, 4.0, 0]), "b": torch.tensor([0, -1.0])}     # (3 − 1) / (√26 · √2)
+    assert truth.alignment(g, V) == pytest.approx(2 / (np.sqrt(26) * np.sqrt(2)))
+    assert np.isnan(truth.alignment({"a": torch.zeros(3), "b": torch.zeros(2)}, V))
+
+
+class _Flagged(HackTokenTask):
+    "Every reply graded hacked (all=True) or none (all=False): each group's advantages are exactly zero."
+    def __init__(self, tok, ids, all_hack): super().__init__(tok, ids); self.all_hack = all_hack
+    def grade(self, response, problem): return dict(super().grade(response, problem), hacked=self.all_hack)
+
+
+def _truth_run(tmp_path, task):
+    from entropy_grpo.phase3_run import Phase3Run
+    run = Phase3Run(Phase3Config(seed=0, preset="truth", steps=1, out_dir=str(tmp_path/"run")), task)
+    run.add_arm()
+    return run
+
+
+def test_hack_gradient_is_the_gradient_phase3_follows(tok, tmp_path):
+    "Same rollout as the first training step (seed 0): train's gradient = (3.5 − 0.25) × hack_gradient, exactly the "
+    "sign the arms see; .grad and train mode as found; groups with no spread in hacking give exactly zero."
+    import torch
+    from entropy_grpo.training import train
+    task = HackTokenTask(tok, hack_tokens("signal", tok, seed=0))
+    run = _truth_run(tmp_path, task)
+    p = run.adapter.parameters()[0]
+    p.grad = torch.full_like(p, 7.0)
+    g, rate = truth.hack_gradient(run, prompts=4, seed=0)
+    assert torch.equal(p.grad, torch.full_like(p, 7.0)) and not run.adapter.model.training and 0 < rate < 1
+    seen = {}
+    class Grab:
+        def on_after_backward(self, ctx=None): seen.update(run.adapter.flat_grads())
+    train(run.adapter.model, run.tok, task, run.train_config, out_dir=tmp_path/"train", callbacks=[Grab()],
+          progress=False, reference=run.adapter.zeroed)
+    assert all(torch.allclose(seen[m], 3.25 * g[m], rtol=1e-4, atol=1e-7) for m in g)
+    assert any(v.abs().sum() > 0 for v in g.values())
+    for all_hack in (True, False):
+        z, r = truth.hack_gradient(_truth_run(tmp_path, _Flagged(tok, task_ids(task, tok), all_hack)), prompts=4)
+        assert r == float(all_hack) and all(not v.any() for v in z.values())
+        assert np.isnan(truth.alignment(z, {m: torch.ones(1, v.numel()) / v.numel() ** 0.5 for m, v in z.items()}))
+
+
+def task_ids(task, tok):
+    return [tok.convert_tokens_to_ids(tok.tokenize(w))[0] for w in task.words]
+
+
+def test_on_policy_alignment_of_a_random_basis_is_within_its_null(tok, tmp_path):
+    "A v_hack that is itself a random basis is one more draw of the null; the summary joins seeds with Phase 3."
+    from entropy_grpo.projection_arms import random_v_hack
+    run = _truth_run(tmp_path, HackTokenTask(tok, hack_tokens("signal", tok, seed=0)))
+    r = truth.on_policy_alignment(run, random_v_hack(run.adapter, 1, seed=999), prompts=4, n_random=40)
+    assert abs(r["alignment"]) <= 3 * r["null_q95"] and abs(r["null_mean"]) < r["null_q95"]
+    assert -1 <= r["reproducibility"] <= 1 and len(r["batches"]) == 2 and 0 < r["hack_rate"] < 1
+    (tmp_path/"alignment").mkdir(); (tmp_path/"phase3").mkdir()
+    for s, a, e in [(1, 0.1, 0.0), (2, 0.2, 0.1), (3, 0.3, 0.3), (4, 0.4, 0.2)]:
+        (tmp_path/"alignment"/f"style_hack-{s}.json").write_text(json.dumps(dict(
+            world="style_hack", seed=s, alignment=a, reproducibility=0.5, null_q95=0.1)))
+        (tmp_path/"phase3"/f"style_hack-{s}.json").write_text(json.dumps(dict(
+            world="style_hack", seed=s, effect=e, specific=-e)))
+    sm = truth.alignment_summary(tmp_path)
+    assert sm["n_both"] == 4 and sm["effect_spearman"][0] == pytest.approx(0.8)
+    assert sm["specific_spearman"][0] == pytest.approx(-0.8) and sm["worlds"]["style_hack"]["n"] == 4
+    assert sm["worlds"]["style_hack"]["interval"] == pytest.approx(t_interval([0.1, 0.2, 0.3, 0.4]))
+
+
+def test_world_jobs_resume_and_never_write_a_job_twice(tmp_path):
+    "A job that raises leaves nothing; the rerun does only what is missing; a job finished meanwhile is not rewritten."
+    from entropy_grpo.calibration import world_jobs
+    calls, killed = [], []
+    def job(w, s, work):
+        calls.append((w, s))
+        assert work.exists() and work.parent == tmp_path/"out"
+        if s == 2 and not killed: killed.append(w); raise KeyboardInterrupt
+        return dict(world=w, seed=s)
+    with pytest.raises(KeyboardInterrupt):
+        world_jobs(tmp_path/"out", ["signal", "no_content"], 2, 1, job)
+    assert sorted(p.name for p in (tmp_path/"out").iterdir()) == ["no_content-1.json", "signal-1.json"]
+    def late(w, s, work):          # another process finishes the same job first
+        (tmp_path/"out"/f"{w}-{s}.json").write_text(json.dumps("theirs"))
+        return job(w, s, work)
+    world_jobs(tmp_path/"out", ["signal", "no_content"], 2, 1, late)
+    assert calls[3:] == [("signal", 2), ("no_content", 2)]
+    assert json.loads((tmp_path/"out"/"signal-2.json").read_text()) == "theirs"
+    test_fail(lambda: world_jobs(tmp_path/"out", ["nowhere"], 1, 1, job), contains="nowhere", exc=ValueError)
