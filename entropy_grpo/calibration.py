@@ -298,17 +298,20 @@ def agreement_figure(summary:dict, path:str|Path|None=None):
     "Phase-3 effect (x) against Phase-2 launch rate (y), each with its 95% interval: one point per world."
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.2))
+    placed = []                                   # launch rates labelled so far: near ones stack their labels
     for w, r in summary["worlds"].items():
         if "phase3" not in r: continue
         t, (rlo, rhi) = r["phase3"], r["interval"]
         (elo, ehi), e = t["interval"], t["effect"]
         ax.errorbar(e, r["rate"], xerr=[[e - elo], [ehi - e]], yerr=[[r["rate"] - rlo], [rhi - r["rate"]]], fmt="o",
                     capsize=3, color="tab:green" if r["agreement"] == "agrees" else "tab:red")
-        ax.annotate(w, (e, r["rate"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        up = 4 + 11 * sum(abs(y - r["rate"]) < 0.1 for y in placed); placed.append(r["rate"])
+        ax.annotate(w, (e, r["rate"]), fontsize=7, xytext=(6, up), textcoords="offset points",
+                    arrowprops=dict(arrowstyle="-", lw=0.3, color="grey") if up > 4 else None)
     ax.axvline(0, color="grey", lw=0.5); ax.axhline(0.8, color="tab:green", lw=0.5, ls="--")
     ax.axhline(0.05, color="tab:red", lw=0.5, ls="--")
     ax.set(xlabel="Phase-3 effect of projection (hack rate, vanilla − projected)", ylabel="Phase-2 launch rate",
-           ylim=(-0.05, 1.05), title="The decision against what Phase 3 measures (green: agrees)")
+           ylim=(-0.05, 1.15), title="The decision against what Phase 3 measures (green: agrees)")
     fig.tight_layout()
     if path: fig.savefig(path, dpi=100)
     return fig
