@@ -16,7 +16,7 @@ from .calibration import WORLDS, hack_tokens, world_config, world_jobs, world_po
 from .dr_grpo import group_advantages, policy_gradient_backward
 from .phase2_run import Phase2Run
 from .phase3_run import Phase3Config, Phase3Run
-from .projection_arms import VHack, random_v_hack
+from .projection_arms import VHack, alignment_stats, random_v_hack
 from .sequence_processor import SequenceProcessor
 from .tasks import ArithmeticTask
 from .training import GenerationSource
@@ -24,7 +24,7 @@ from .utils import check_choice, check_range, write_json
 
 # %% auto #0
 __all__ = ['HackTokenTask', 'world_task', 'world_phase3', 'measure_truth', 't_interval', 'truth_summary', 'hack_gradient',
-           'alignment', 'on_policy_alignment', 'world_alignment', 'measure_alignment', 'alignment_summary']
+           'on_policy_alignment', 'world_alignment', 'measure_alignment', 'alignment_summary']
 
 # %% ../nbs/06e_truth.ipynb #a7b9604a
 class HackTokenTask(ArithmeticTask):
@@ -136,27 +136,27 @@ def hack_gradient(run:Phase3Run, prompts:int=128, seed:int=0) -> tuple[dict, flo
         run.adapter.model.eval()
         for p, g in zip(params, saved): p.grad = g
 
-def alignment(g:dict, V:dict) -> float:
-    "Σ_m Σ_j ⟨v_mj, g_m⟩ / (‖g‖ √(Σ_m k)) for per-module vectors g and orthonormal rows V [k, dims[m]]."
-    dot = sum(float((V[m].to(g[m]) @ g[m]).sum()) for m in g)
-    norm = math.sqrt(sum(float(g[m].double().square().sum()) for m in g))
-    return dot / (norm * math.sqrt(sum(V[m].shape[0] for m in g))) if norm > 0 else float("nan")
-
 def on_policy_alignment(
     run:Phase3Run,             # its adapter added; the weights the gradient is taken at
     v_hack:VHack,
     prompts:int=128,           # prompts per batch (two batches, G replies each)
     seed:int=0,
     n_random:int=100,          # random bases for the null
-) -> dict:                     # alignment, per batch, reproducibility, null_mean, null_q95 (of |alignment|), hack_rate
-    "How far v_hack points along the policy's own hack gradient, against random bases of its shape."
+) -> dict:                     # alignment (signed), subspace (‖P_V g‖/‖g‖), per batch, reproducibility, nulls
+    "How far v_hack points along the policy's own hack gradient, against random bases of its shape (NaN where no "
+    "group's replies differ in hacking: no gradient)."
+    check_range("n_random", n_random, 1, integer=True)
     (g1, h1), (g2, h2) = hack_gradient(run, prompts, seed), hack_gradient(run, prompts, seed + 1)
     g = {m: g1[m] + g2[m] for m in g1}
-    cos = sum(float(g1[m] @ g2[m]) for m in g) / math.sqrt(sum(float(g1[m] @ g1[m]) for m in g) *
-                                                           sum(float(g2[m] @ g2[m]) for m in g) or math.nan)
-    null = [alignment(g, random_v_hack(run.adapter, v_hack.k, seed + i).V) for i in range(n_random)]
-    return dict(alignment=alignment(g, v_hack.V), batches=[alignment(g1, v_hack.V), alignment(g2, v_hack.V)],
-                reproducibility=cos, null_mean=float(np.mean(null)), null_q95=float(np.quantile(np.abs(null), 0.95)),
+    def cos(g, V):                                           # signed, and of the whole subspace (alignment_stats)
+        st = alignment_stats(g, V)
+        return (st["cos"], st["cos_sub"]) if st["grad_norm"] > 0 else (math.nan, math.nan)
+    flat = lambda g: torch.cat([g[m].double().reshape(-1) for m in sorted(g)])
+    null = np.array([cos(g, random_v_hack(run.adapter, v_hack.k, seed + i).V) for i in range(n_random)])
+    (a, sub), q = cos(g, v_hack.V), np.quantile(np.abs(null), 0.95, axis=0)
+    return dict(alignment=a, subspace=sub, batches=[cos(g1, v_hack.V)[0], cos(g2, v_hack.V)[0]],
+                reproducibility=float(torch.nn.functional.cosine_similarity(flat(g1), flat(g2), dim=0)),
+                null_mean=float(np.mean(null[:, 0])), null_q95=float(q[0]), subspace_null_q95=float(q[1]),
                 hack_rate=(h1 + h2) / 2)
 
 # %% ../nbs/06e_truth.ipynb #890ec741

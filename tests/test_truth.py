@@ -105,17 +105,6 @@ def test_launches_are_judged_against_phase3(tmp_path):
     assert "+0.000 (-0.100, +0.100) | agrees |" in rates_markdown(s)
 
 
-def test_alignment_against_hand_computed_values():
-    "Σ_m Σ_j ⟨v_mj, g_m⟩ / (‖g‖ √(Σ_m k)): 1 along equal rows, 0 orthogonal, a hand case, NaN for a zero gradient."
-    import torch
-    V = {"a": torch.tensor([[1.0, 0.0, 0.0]]), "b": torch.tensor([[0.0, 1.0]])}
-    assert truth.alignment({"a": torch.tensor([2.0, 0, 0]), "b": torch.tensor([0, 2.0])}, V) == pytest.approx(1.0)
-    assert truth.alignment({"a": torch.tensor([0, 3.0, 4.0]), "b": torch.tensor([1.0, 0])}, V) == 0.0
-    g = {"a": torch.tensor([3.0, 4.0, 0]), "b": torch.tensor([0, -1.0])}     # (3 − 1) / (√26 · √2)
-    assert truth.alignment(g, V) == pytest.approx(2 / (np.sqrt(26) * np.sqrt(2)))
-    assert np.isnan(truth.alignment({"a": torch.zeros(3), "b": torch.zeros(2)}, V))
-
-
 class _Flagged(HackTokenTask):
     "Every reply graded hacked (all=True) or none (all=False): each group's advantages are exactly zero."
     def __init__(self, tok, ids, all_hack): super().__init__(tok, ids); self.all_hack = all_hack
@@ -133,6 +122,7 @@ def test_hack_gradient_is_the_gradient_phase3_follows(tok, tmp_path):
     "Same rollout as the first training step (seed 0): train's gradient = (3.5 − 0.25) × hack_gradient, exactly the "
     "sign the arms see; .grad and train mode as found; groups with no spread in hacking give exactly zero."
     import torch
+    from entropy_grpo.projection_arms import random_v_hack
     from entropy_grpo.training import train
     task = HackTokenTask(tok, hack_tokens("signal", tok, seed=0))
     run = _truth_run(tmp_path, task)
@@ -148,9 +138,11 @@ def test_hack_gradient_is_the_gradient_phase3_follows(tok, tmp_path):
     assert all(torch.allclose(seen[m], 3.25 * g[m], rtol=1e-4, atol=1e-7) for m in g)
     assert any(v.abs().sum() > 0 for v in g.values())
     for all_hack in (True, False):
-        z, r = truth.hack_gradient(_truth_run(tmp_path, _Flagged(tok, task_ids(task, tok), all_hack)), prompts=4)
+        flagged = _truth_run(tmp_path, _Flagged(tok, task_ids(task, tok), all_hack))
+        z, r = truth.hack_gradient(flagged, prompts=4)
         assert r == float(all_hack) and all(not v.any() for v in z.values())
-        assert np.isnan(truth.alignment(z, {m: torch.ones(1, v.numel()) / v.numel() ** 0.5 for m, v in z.items()}))
+        a = truth.on_policy_alignment(flagged, random_v_hack(flagged.adapter, 1, seed=3), prompts=4, n_random=2)
+        assert np.isnan(a["alignment"]) and np.isnan(a["subspace"]) and a["hack_rate"] == float(all_hack)
 
 
 def task_ids(task, tok):
@@ -163,6 +155,7 @@ def test_on_policy_alignment_of_a_random_basis_is_within_its_null(tok, tmp_path)
     run = _truth_run(tmp_path, HackTokenTask(tok, hack_tokens("signal", tok, seed=0)))
     r = truth.on_policy_alignment(run, random_v_hack(run.adapter, 1, seed=999), prompts=4, n_random=40)
     assert abs(r["alignment"]) <= 3 * r["null_q95"] and abs(r["null_mean"]) < r["null_q95"]
+    assert 0 <= r["subspace"] <= 3 * r["subspace_null_q95"] and abs(r["alignment"]) <= r["subspace"]
     assert -1 <= r["reproducibility"] <= 1 and len(r["batches"]) == 2 and 0 < r["hack_rate"] < 1
     (tmp_path/"alignment").mkdir(); (tmp_path/"phase3").mkdir()
     for s, a, e in [(1, 0.1, 0.0), (2, 0.2, 0.1), (3, 0.3, 0.3), (4, 0.4, 0.2)]:
