@@ -372,7 +372,7 @@ class ProjectionArm:
             v_hack = v_hack.check(adapter).to(adapter.parameters()[0].device)
         check_choice("gate", gate, GATES)
         self.arm, self.adapter, self.v_hack, self.gate, self.overshoot = arm, adapter, v_hack, gate, overshoot
-        self.last = {}
+        self.last, self._before = {}, None
 
     def _project(self, grads:dict) -> tuple[dict, dict]:
         "Per-module grads -> (grads this arm applies, scalar stats)."
@@ -383,14 +383,23 @@ class ProjectionArm:
         new, st = self._project(self.adapter.module_vectors(param_grads))
         return self.adapter.param_tensors(new), st
 
+    def _weights(self) -> dict[str, Tensor]:
+        return {n: torch.cat([p.detach().float().reshape(-1) for p in ps.values()])
+                for n, ps in self.adapter.module_params().items()}
+
     def on_after_backward(self, ctx=None):
         "Measure (all arms) and project (projected arms) the adapter's gradients in place."
         if self.v_hack is None: return
+        if self._before is None: self._before = self._weights()      # the step's first optimizer step is next
         new, st = self._project(self.adapter.flat_grads())
         if self.projects: self.adapter.set_flat_grads(new)
         self.last = dict(st, gate=self.gate, v_hack_source=self.v_hack.meta.get("source", "pairs"))
 
     def on_step_end(self, ctx, record:dict):
-        "Add the arm name and this step's alignment numbers to the log record."
+        "Add the arm name, this step's alignment numbers and `cos_update` — the signed cos of what the optimizer "
+        "did (θ_before − θ_after, the gradient's sign) with v_hack — to the log record."
+        if self._before is not None:
+            d = {n: self._before[n] - w for n, w in self._weights().items()}
+            self.last["cos_update"] = alignment_stats(d, self.v_hack.V)["cos"]
         record.update(arm=self.arm, **self.last)
-        self.last = {}
+        self.last, self._before = {}, None

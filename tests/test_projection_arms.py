@@ -346,3 +346,28 @@ def test_arm_step_measures_or_projects_as_project_grad_does():
     new, st_p = arm_step(g, V, project=True)
     ref, st_ref = project_grad(g, V)
     assert torch.equal(new["a"], ref["a"]) and st_p["cos_out"] == st_ref["cos_out"] and "c_in" not in st_p
+
+
+def test_cos_update_is_that_of_the_adamw_step_built_from_the_projected_gradient(fresh_tiny):
+    "AdamW's first step from zero weights moves by lr·g'/(|g'| + eps) per coordinate (g' the projected gradient): "
+    "cos_update is that step's signed cos — not cos_out, which is ≤ 0 — and the weights it saw are the step's own."
+    from entropy_grpo.projection_arms import alignment_stats
+    model, tok = fresh_tiny
+    ds = add_delta_s(model, ATTN)
+    pairs, _ = planted_pairs(tok, n_pairs=12, seed=0)
+    sp = sp_for(model, tok)
+    vh = extract_v_hack(sp, ds, pairs, k=2)
+    arm, opt = ProjectionArm("projected", ds, vh), torch.optim.AdamW(ds.parameters(), lr=1e-2, eps=1e-8)
+    policy_gradient_backward(sp, pairs, group_advantages(torch.tensor([[1.0, 0.0]] * 12)), length_norm="sample")
+    arm.on_after_backward()
+    g = ds.flat_grads()
+    opt.step()
+    rec = {}
+    arm.on_step_end(None, rec)
+    step = {m: v / (v.abs() + 1e-8) for m, v in g.items()}
+    assert rec["frac_fired"] > 0 and rec["cos_out"] <= 1e-6
+    assert rec["cos_update"] == pytest.approx(alignment_stats(step, vh.V)["cos"], abs=1e-5)
+    assert abs(rec["cos_update"] - rec["cos_out"]) > 0.01
+    rec = {}
+    arm.on_step_end(None, rec)                    # a step end with no backward since: nothing to measure
+    assert "cos_update" not in rec
