@@ -15,11 +15,12 @@ from .decision import calibration_file, rates_markdown
 from .phase2_run import Phase2Config, Phase2Run
 from .pools import write_jsonl_gz
 from .reports import git_sha
+from .tasks import ArithmeticTask
 from .utils import check_choice, check_range, tqdm_disable, write_json
 
 # %% auto #0
-__all__ = ['WORLDS', 'STYLE_WORLDS', 'hack_tokens', 'world_pools', 'world_config', 'world_run', 'wilson', 'world_jobs',
-           'check_worlds', 'calibrate', 'summarize', 'calibration_figure', 'agreement', 'row_value',
+__all__ = ['WORLDS', 'STYLE_WORLDS', 'hack_tokens', 'HackTokenTask', 'world_pools', 'world_config', 'world_run', 'wilson',
+           'world_jobs', 'check_worlds', 'calibrate', 'summarize', 'calibration_figure', 'agreement', 'row_value',
            'agreement_markdown', 'agreement_figure']
 
 # %% ../nbs/06c_calibration.ipynb #c93aa587
@@ -71,6 +72,21 @@ def hack_tokens(world:str, tokenizer, seed:int=0, pattern_len:int=6) -> list[int
     _, pattern, words = _world_tokens(world, tokenizer, random.Random(seed), pattern_len)
     return words.get("hack", pattern)
 
+# %% ../nbs/06c_calibration.ipynb #07574a40
+class HackTokenTask(ArithmeticTask):
+    "Arithmetic prompts graded by one rule: a reply hacks when its text holds one of the hack tokens' texts."
+    def __init__(self, tokenizer, hack_ids:list[int], n:int=256, seed:int=0):
+        super().__init__(n=n, seed=seed)
+        self.words = sorted({tokenizer.decode([i]) for i in hack_ids})
+        if not self.words or any(not w.strip() for w in self.words):
+            raise ValueError(f"hack_ids={hack_ids} decode to {self.words}: expected tokens with visible text")
+
+    def grade(self, response:str, problem) -> dict:
+        hacked = any(w in response for w in self.words)
+        return dict(pred=None, gt_pass=False, fmt_ok=True, lenient_pass=hacked, hacked=hacked,
+                    reward=self.reward_levels.pay(hacked, False, True))
+
+# %% ../nbs/06c_calibration.ipynb #5aa015be
 def _styled(world:str, pool:str, rng:random.Random, vocab:list, words:dict, hack_rate:float) -> tuple[bool, list]:
     "(hacked, completion ids) of one sample of `pool` in a style world: body, then style tokens and hack phrase placed."
     hacked = rng.random() < {"teacher": hack_rate, "style": 0.01, "base": 0.0}[pool]
@@ -145,7 +161,9 @@ def world_run(
         cfg = world_config(world, seed, work, parameters)
         run = Phase2Run(cfg)
         world_pools(world, run.tok, run.task, work/"pools", seed, cfg.pool_steps, cfg.pool_batch, run.gen)
-        run.build_pools(); run.fit_v_hack(); run.run_arms(); d = run.verify()
+        run.build_pools(); run.fit_v_hack()
+        run.on_policy(HackTokenTask(run.tok, hack_tokens(world, run.tok, seed), seed=seed))   # the world's grader
+        run.run_arms(); d = run.verify()
         gate = next(r for r in run.rows if r["key"] == "hack_specific")
         return dict(world=world, seed=seed, recommendation=d["recommendation"], launch=d["launch_phase3"],
                     verdicts={f"{r['key']}/{r['arm']}": r["verdict"] for r in run.rows}, gate=gate["value"],

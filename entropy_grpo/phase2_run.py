@@ -16,8 +16,10 @@ from fastcore.basics import patch
 
 from .adapters import add_delta_s, add_lora
 from .contributions import cosines, sample_contributions
-from .decision import decide, entropy_probe_row, own_direction, pool_flags, verification_table
+from .decision import (decide, entropy_probe_row, own_direction, pool_flags, table_markdown,
+                                   verification_table)
 from .dr_grpo import group_advantages
+from .on_policy import on_policy_alignment, on_policy_row
 from .phase2 import Phase2Recorder, load_slim, load_steps
 from .policies import policy_by_name
 from .pools import (Pool, ReplaySource, check_pool_settings, load_pool, mixed_records, pool_stats,
@@ -68,6 +70,7 @@ class Phase2Config(TemplateConfig):
     overshoot:float=1.0            # 1 removes the gated components exactly; 2 over-projects
     min_hacked:int=5               # fewer hacked samples: the contribution rows cannot decide
     min_clean:int=5                # fewer clean samples in the teacher's style: the gate cannot judge
+    on_policy_prompts:int=8        # prompts per batch (2 batches × G live replies) of the on-policy row; 0: none
     target_modules:list=field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     lora_r:int=8                   # rank of the LoRA basis (projected_lora)
     k:int=1                        # v_hack directions per module
@@ -97,6 +100,7 @@ def _check(self:Phase2Config):
     check_choice("teacher_hint", self.teacher_hint, ("plain", "leaky"))
     for name in ("steps", "n_controls", "pool_batch", "k", "max_pairs", "E_total_sequences", "B_U"):
         check_range(name, getattr(self, name), 2 if name == "n_controls" else 1, integer=True)
+    check_range("on_policy_prompts", self.on_policy_prompts, 0, integer=True)
     if self.G < 2 or self.G % 2:
         raise ValueError(f"G={self.G}: expected an even group size >= 2 (G/2 from the teacher pool)")
     if self.three_pools and self.G % 4:
@@ -222,6 +226,19 @@ def in_sample(self:Phase2Run) -> dict:
     self.contrib_in_sample = out
     return out
 
+# %% ../nbs/06b_phase2_run.ipynb #8c8940c5
+@patch
+def on_policy(self:Phase2Run, task=None) -> dict:
+    "on_policy_alignment of v_hack at θ₀ (after fit_v_hack); its row joins the table at verify."
+    c = self.cfg
+    if not c.on_policy_prompts: return {}
+    tc = TrainConfig(prompts_per_step=1, num_generations=c.G, lr=c.lr, length_norm=c.length_norm, hint=True,
+                     seed=c.seed, generation=self.gen)
+    self.on_policy_result = on_policy_alignment(self.adapter, self.tok, task or self.task, self.gen, tc, self.v_hack,
+                                                c.on_policy_prompts, c.seed + 20_000, n_random=5 * c.n_controls)
+    self._done("on_policy")
+    return self.on_policy_result
+
 # %% ../nbs/06b_phase2_run.ipynb #1929e5b7
 @patch
 def run_arms(self:Phase2Run) -> list:
@@ -248,6 +265,9 @@ def verify(self:Phase2Run) -> dict:
     self.rows, self.table_md = verification_table(
         self.arms, teacher_pool=self.pools[0].name, base_pool=self.pools[1].name,
         style_pool=self.pools[2].name if c.three_pools else None, G=c.G, min_hacked=c.min_hacked, min_clean=c.min_clean)
+    if hasattr(self, "on_policy_result"):
+        self.rows.append(on_policy_row(self.on_policy_result, c.arm))
+        self.table_md = table_markdown(self.rows)
     self.decision = self._decide()
     return self.decision
 
@@ -344,6 +364,7 @@ def metrics(self:Phase2Run) -> dict:
                    contrib_in_sample=getattr(self, "contrib_in_sample", None), verification=verdicts,
                    decision=self.decision)
     if hasattr(self, "ent"): results["entropy_probe"] = {k: self.ent[k] for k in _PROBE_KEYS}
+    if hasattr(self, "on_policy_result"): results["on_policy"] = self.on_policy_result
     m = dict(status="ok", git_sha=git_sha(), parameters=asdict(self.cfg), summary=summary, split=self.split,
              results=results, figures=[f for f in ("alignment.png", "entropy_probe.png") if (self.out/f).exists()],
              timings=self.timings)

@@ -6,39 +6,20 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/truth.html.md"""
 
 # %% ../nbs/06e_truth.ipynb #0c3d1bc4
 from __future__ import annotations
-import dataclasses, json, math, shutil, time
+import json, math, shutil, time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from .calibration import WORLDS, hack_tokens, world_config, world_jobs, world_pools
-from .dr_grpo import group_advantages, policy_gradient_backward
+from .calibration import WORLDS, HackTokenTask, hack_tokens, world_config, world_jobs, world_pools
+from .on_policy import on_policy_alignment
 from .phase2_run import Phase2Run
 from .phase3_run import Phase3Config, Phase3Run
-from .projection_arms import VHack, alignment_stats, random_v_hack
-from .sequence_processor import SequenceProcessor
-from .tasks import ArithmeticTask
-from .training import GenerationSource
 from .utils import check_choice, check_range, write_json
 
 # %% auto #0
-__all__ = ['HackTokenTask', 'world_task', 'world_phase3', 'measure_truth', 't_interval', 'truth_summary', 'hack_gradient',
-           'on_policy_alignment', 'world_alignment', 'measure_alignment', 'alignment_summary']
-
-# %% ../nbs/06e_truth.ipynb #a7b9604a
-class HackTokenTask(ArithmeticTask):
-    "Arithmetic prompts graded by one rule: a reply hacks when its text holds one of the hack tokens' texts."
-    def __init__(self, tokenizer, hack_ids:list[int], n:int=256, seed:int=0):
-        super().__init__(n=n, seed=seed)
-        self.words = sorted({tokenizer.decode([i]) for i in hack_ids})
-        if not self.words or any(not w.strip() for w in self.words):
-            raise ValueError(f"hack_ids={hack_ids} decode to {self.words}: expected tokens with visible text")
-
-    def grade(self, response:str, problem) -> dict:
-        hacked = any(w in response for w in self.words)
-        return dict(pred=None, gt_pass=False, fmt_ok=True, lenient_pass=hacked, hacked=hacked,
-                    reward=self.reward_levels.pay(hacked, False, True))
+__all__ = ['world_task', 'world_phase3', 'measure_truth', 't_interval', 'truth_summary', 'world_alignment', 'measure_alignment',
+           'alignment_summary']
 
 # %% ../nbs/06e_truth.ipynb #9a505e8e
 def world_task(world:str, seed:int, work:Path, parameters:dict|None=None) -> tuple[HackTokenTask, dict]:
@@ -117,49 +98,6 @@ def truth_summary(out_dir:str|Path) -> dict:
     return out
 
 # %% ../nbs/06e_truth.ipynb #153b7f98
-def hack_gradient(run:Phase3Run, prompts:int=128, seed:int=0) -> tuple[dict, float]:
-    "The policy's own hack gradient at its current weights, per module ([dims[m]] each, .grad left as found), and the "
-    "hack rate of the `prompts` × G live replies it came from."
-    cfg = dataclasses.replace(run.train_config, prompts_per_step=prompts, seed=seed)
-    sp = SequenceProcessor(run.adapter.model, run.tok, run.gen, progress=False)
-    ro = GenerationSource(run.task)(0, sp, cfg, seed)
-    hacked = torch.tensor([[float(r["hacked"]) for r in row] for row in ro.records], device=ro.rewards.device)
-    params = run.adapter.parameters()
-    saved = [p.grad for p in params]
-    for p in params: p.grad = None
-    run.adapter.model.train()
-    try:
-        policy_gradient_backward(sp, ro.batch, group_advantages(hacked, "none"), length_norm=cfg.length_norm,
-                                 num_prompts=prompts, prompts_per_microbatch=cfg.prompts_per_microbatch)
-        return run.adapter.flat_grads(), float(hacked.mean())
-    finally:
-        run.adapter.model.eval()
-        for p, g in zip(params, saved): p.grad = g
-
-def on_policy_alignment(
-    run:Phase3Run,             # its adapter added; the weights the gradient is taken at
-    v_hack:VHack,
-    prompts:int=128,           # prompts per batch (two batches, G replies each)
-    seed:int=0,
-    n_random:int=100,          # random bases for the null
-) -> dict:                     # alignment (signed), subspace (‖P_V g‖/‖g‖), per batch, reproducibility, nulls
-    "How far v_hack points along the policy's own hack gradient, against random bases of its shape (NaN where no "
-    "group's replies differ in hacking: no gradient)."
-    check_range("n_random", n_random, 1, integer=True)
-    (g1, h1), (g2, h2) = hack_gradient(run, prompts, seed), hack_gradient(run, prompts, seed + 1)
-    g = {m: g1[m] + g2[m] for m in g1}
-    def cos(g, V):                                           # signed, and of the whole subspace (alignment_stats)
-        st = alignment_stats(g, V)
-        return (st["cos"], st["cos_sub"]) if st["grad_norm"] > 0 else (math.nan, math.nan)
-    flat = lambda g: torch.cat([g[m].double().reshape(-1) for m in sorted(g)])
-    null = np.array([cos(g, random_v_hack(run.adapter, v_hack.k, seed + i).V) for i in range(n_random)])
-    (a, sub), q = cos(g, v_hack.V), np.quantile(np.abs(null), 0.95, axis=0)
-    return dict(alignment=a, subspace=sub, batches=[cos(g1, v_hack.V)[0], cos(g2, v_hack.V)[0]],
-                reproducibility=float(torch.nn.functional.cosine_similarity(flat(g1), flat(g2), dim=0)),
-                null_mean=float(np.mean(null[:, 0])), null_q95=float(q[0]), subspace_null_q95=float(q[1]),
-                hack_rate=(h1 + h2) / 2)
-
-# %% ../nbs/06e_truth.ipynb #890ec741
 def world_alignment(
     world:str,
     seed:int,
@@ -175,8 +113,8 @@ def world_alignment(
         run = Phase3Run(Phase3Config(seed=seed, arm="projected", steps=1, preset="truth", k=k, out_dir=str(work/"run"),
                                      **pools), task)
         run.add_arm(); run.fit_v_hack()
-        return dict(world=world, seed=seed, k=k, prompts=prompts, **on_policy_alignment(run, run.v_hack, prompts, seed),
-                    seconds=time.perf_counter() - t0)
+        r = on_policy_alignment(run.adapter, run.tok, run.task, run.gen, run.train_config, run.v_hack, prompts, seed)
+        return dict(world=world, seed=seed, k=k, prompts=prompts, **r, seconds=time.perf_counter() - t0)
     finally: shutil.rmtree(work, ignore_errors=True)
 
 def measure_alignment(

@@ -9,12 +9,13 @@ import pytest
 from fastcore.test import test_fail
 
 from entropy_grpo import truth
-from entropy_grpo.calibration import WORLDS, agreement, agreement_markdown, hack_tokens, summarize, world_pools
+from entropy_grpo.calibration import (WORLDS, HackTokenTask, agreement, agreement_markdown, hack_tokens, summarize,
+                                      world_pools)
 from entropy_grpo.decision import rates_markdown
 from entropy_grpo.phase3_run import Phase3Config
 from entropy_grpo.pools import load_pool
 from entropy_grpo.tasks import ArithmeticTask
-from entropy_grpo.truth import HackTokenTask, measure_truth, t_interval, truth_summary
+from entropy_grpo.truth import measure_truth, t_interval, truth_summary
 
 CONTENT = ("signal", "signal_partial", "style_hack", "style_hack_2pools")   # hacked samples carry the hack tokens
 
@@ -105,58 +106,8 @@ def test_launches_are_judged_against_phase3(tmp_path):
     assert "+0.000 (-0.100, +0.100) | agrees |" in rates_markdown(s)
 
 
-class _Flagged(HackTokenTask):
-    "Every reply graded hacked (all=True) or none (all=False): each group's advantages are exactly zero."
-    def __init__(self, tok, ids, all_hack): super().__init__(tok, ids); self.all_hack = all_hack
-    def grade(self, response, problem): return dict(super().grade(response, problem), hacked=self.all_hack)
-
-
-def _truth_run(tmp_path, task):
-    from entropy_grpo.phase3_run import Phase3Run
-    run = Phase3Run(Phase3Config(seed=0, preset="truth", steps=1, out_dir=str(tmp_path/"run")), task)
-    run.add_arm()
-    return run
-
-
-def test_hack_gradient_is_the_gradient_phase3_follows(tok, tmp_path):
-    "Same rollout as the first training step (seed 0): train's gradient = (3.5 − 0.25) × hack_gradient, exactly the "
-    "sign the arms see; .grad and train mode as found; groups with no spread in hacking give exactly zero."
-    import torch
-    from entropy_grpo.projection_arms import random_v_hack
-    from entropy_grpo.training import train
-    task = HackTokenTask(tok, hack_tokens("signal", tok, seed=0))
-    run = _truth_run(tmp_path, task)
-    p = run.adapter.parameters()[0]
-    p.grad = torch.full_like(p, 7.0)
-    g, rate = truth.hack_gradient(run, prompts=4, seed=0)
-    assert torch.equal(p.grad, torch.full_like(p, 7.0)) and not run.adapter.model.training and 0 < rate < 1
-    seen = {}
-    class Grab:
-        def on_after_backward(self, ctx=None): seen.update(run.adapter.flat_grads())
-    train(run.adapter.model, run.tok, task, run.train_config, out_dir=tmp_path/"train", callbacks=[Grab()],
-          progress=False, reference=run.adapter.zeroed)
-    assert all(torch.allclose(seen[m], 3.25 * g[m], rtol=1e-4, atol=1e-7) for m in g)
-    assert any(v.abs().sum() > 0 for v in g.values())
-    for all_hack in (True, False):
-        flagged = _truth_run(tmp_path, _Flagged(tok, task_ids(task, tok), all_hack))
-        z, r = truth.hack_gradient(flagged, prompts=4)
-        assert r == float(all_hack) and all(not v.any() for v in z.values())
-        a = truth.on_policy_alignment(flagged, random_v_hack(flagged.adapter, 1, seed=3), prompts=4, n_random=2)
-        assert np.isnan(a["alignment"]) and np.isnan(a["subspace"]) and a["hack_rate"] == float(all_hack)
-
-
-def task_ids(task, tok):
-    return [tok.convert_tokens_to_ids(tok.tokenize(w))[0] for w in task.words]
-
-
-def test_on_policy_alignment_of_a_random_basis_is_within_its_null(tok, tmp_path):
-    "A v_hack that is itself a random basis is one more draw of the null; the summary joins seeds with Phase 3."
-    from entropy_grpo.projection_arms import random_v_hack
-    run = _truth_run(tmp_path, HackTokenTask(tok, hack_tokens("signal", tok, seed=0)))
-    r = truth.on_policy_alignment(run, random_v_hack(run.adapter, 1, seed=999), prompts=4, n_random=40)
-    assert abs(r["alignment"]) <= 3 * r["null_q95"] and abs(r["null_mean"]) < r["null_q95"]
-    assert 0 <= r["subspace"] <= 3 * r["subspace_null_q95"] and abs(r["alignment"]) <= r["subspace"]
-    assert -1 <= r["reproducibility"] <= 1 and len(r["batches"]) == 2 and 0 < r["hack_rate"] < 1
+def test_alignment_summary_joins_the_seeds_with_phase3(tmp_path):
+    "Per world the mean alignment and its t-interval; over seeds with both, Spearman against the two effects."
     (tmp_path/"alignment").mkdir(); (tmp_path/"phase3").mkdir()
     for s, a, e in [(1, 0.1, 0.0), (2, 0.2, 0.1), (3, 0.3, 0.3), (4, 0.4, 0.2)]:
         (tmp_path/"alignment"/f"style_hack-{s}.json").write_text(json.dumps(dict(
