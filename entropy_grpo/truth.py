@@ -43,7 +43,7 @@ def world_phase3(
     work, t0 = Path(work_dir)/f"{world}-{seed}-phase3", time.perf_counter()
     try:
         task, pools = world_task(world, seed, work, parameters)
-        curves = {}
+        curves, updates = {}, {}
         for arm, source in (("vanilla", ""), ("projected", "pairs"), ("random", "random")):
             cfg = Phase3Config(seed=seed, arm="vanilla" if arm == "vanilla" else "projected", steps=steps,
                                preset="truth", k=k, out_dir=str(work/arm), **(dict(pools, v_hack_source=source)
@@ -51,8 +51,9 @@ def world_phase3(
             run = Phase3Run(cfg, task)
             run.add_arm(); run.fit_v_hack(); run.run_training()
             curves[arm] = run.curve("hack_rate")
+            if source: updates[arm] = run.curve("cos_update")     # how much of the projection AdamW's step kept
         m = {arm: float(np.mean(c)) for arm, c in curves.items()}
-        return dict(world=world, seed=seed, steps=steps, k=k, words=task.words, curves=curves,
+        return dict(world=world, seed=seed, steps=steps, k=k, words=task.words, curves=curves, cos_update=updates,
                     effect=m["vanilla"] - m["projected"], specific=m["random"] - m["projected"],
                     seconds=time.perf_counter() - t0)
     finally: shutil.rmtree(work, ignore_errors=True)

@@ -64,6 +64,7 @@ def test_phase3_truth_runs_three_arms_and_resumes(tmp_path, monkeypatch):
     s = measure_truth(tmp_path, ["style_hack"], seeds=1, first_seed=3, steps=2)
     r = json.loads((tmp_path/"phase3"/"style_hack-3.json").read_text())
     assert set(r["curves"]) == {"vanilla", "projected", "random"} and all(len(c) == 2 for c in r["curves"].values())
+    assert set(r["cos_update"]) == {"projected", "random"} and all(len(c) == 2 for c in r["cos_update"].values())
     mean = {arm: np.mean(c) for arm, c in r["curves"].items()}
     assert r["effect"] == pytest.approx(mean["vanilla"] - mean["projected"])
     assert r["specific"] == pytest.approx(mean["random"] - mean["projected"])
