@@ -45,6 +45,11 @@ test: export-check nbtest pytest
 POOLS := runs/demo/0-projected/pools
 record: setup
 	$(BIN)/entropy-grpo demo --out runs/demo/0-projected
+	$(BIN)/python -c "from entropy_grpo.truth import measure_alignment, measure_truth; \
+	    measure_truth('runs/calibration', seeds=10, first_seed=2000); \
+	    measure_alignment('runs/calibration', seeds=10, first_seed=2000); \
+	    measure_truth('runs/calibration', ['signal_partial', 'style_hack', 'no_content', 'style_only'], seeds=70, \
+	                  first_seed=2010)"
 	$(BIN)/entropy-grpo calibrate --seeds 40 --out runs/calibration -p first_seed=2000 -p record=True
 	$(BIN)/python -c "from entropy_grpo.truth import measure_truth; measure_truth('runs/calibration/k8', \
 	    ['signal_partial', 'no_content', 'style_hack', 'style_only'], seeds=8, first_seed=2000, k=8)"
