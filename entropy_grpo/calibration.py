@@ -16,7 +16,7 @@ from .phase2_run import Phase2Config, Phase2Run
 from .pools import write_jsonl_gz
 from .reports import git_sha
 from .tasks import ArithmeticTask
-from .utils import check_choice, check_range, tqdm_disable, write_json
+from .utils import check_choice, check_range, markdown_table, tqdm_disable, write_json
 
 # %% auto #0
 __all__ = ['WORLDS', 'STYLE_WORLDS', 'hack_tokens', 'HackTokenTask', 'world_pools', 'world_config', 'world_run', 'wilson',
@@ -302,15 +302,14 @@ def row_value(out_dir:str|Path) -> list[dict]:
 def agreement_markdown(summary:dict) -> str:
     "Per world with a Phase-3 truth: the effect with its interval, the launches with theirs, the agreement."
     ci = lambda t, key: f"{t[key]:+.3f} [{t[key + '_interval'][0]:+.3f}, {t[key + '_interval'][1]:+.3f}]"
-    lines = ["| world | Phase-3 effect [95%] | beyond a random direction [95%] | seeds | Phase 3 shows | "
-             "Phase-2 launches [95%] | |", "|---|---|---|---|---|---|---|"]
+    rows = []
     for w, r in summary["worlds"].items():
         if "phase3" not in r: continue
         t, (lo, hi) = {**r["phase3"], "effect_interval": r["phase3"]["interval"]}, r["interval"]
-        lines.append(f"| `{w}` | {ci(t, 'effect')} | {ci(t, 'specific')} | {t['n']} | "
-                     f"{'an effect' if t['shows_effect'] else 'none'} | {r['launches']}/{r['n']} [{lo:.0%}, {hi:.0%}] "
-                     f"| {r['agreement']} |")
-    return "\n".join(lines)
+        rows.append([f"`{w}`", ci(t, "effect"), ci(t, "specific"), t["n"], "an effect" if t["shows_effect"] else "none",
+                     f"{r['launches']}/{r['n']} [{lo:.0%}, {hi:.0%}]", r["agreement"]])
+    return markdown_table(rows, ["world", "Phase-3 effect [95%]", "beyond a random direction [95%]", "seeds",
+                                 "Phase 3 shows", "Phase-2 launches [95%]", ""])
 
 def agreement_figure(summary:dict, path:str|Path|None=None):
     "Phase-3 effect (x) against Phase-2 launch rate (y), each with its 95% interval: one point per world."

@@ -11,7 +11,7 @@ from importlib.resources import files
 
 import numpy as np
 
-from .utils import check_range, welch
+from .utils import check_range, markdown_table, welch
 
 # %% auto #0
 __all__ = ['Z80', 'COINCIDE', 'TOO_FEW', 'LISTED_VERDICTS', 'own_direction', 'hack_contrast', 'samples_needed',
@@ -350,9 +350,8 @@ def verification_table(
 
 def table_markdown(rows:list[dict]) -> str:
     "The verification table as markdown, one line per row."
-    head = "| metric | arm | value | null | verdict | detail |\n|---|---|---|---|---|---|\n"
-    return head + "\n".join(f"| {r['metric']} | {r['arm']} | {r['value']} | {r['null'] or '—'} | **{r['verdict']}** "
-                            f"| {r['detail']} |" for r in rows)
+    return markdown_table([(r["metric"], r["arm"], r["value"], r["null"] or "—", f"**{r['verdict']}**", r["detail"])
+                           for r in rows], ["metric", "arm", "value", "null", "verdict", "detail"])
 
 # %% ../nbs/06a_decision.ipynb #6f75dbc8
 LISTED_VERDICTS = ("likely fail", "sneaky fail", "fail", "inconclusive", "below noise floor")  # listed as rules
@@ -427,12 +426,12 @@ def rates_markdown(cal:dict|None) -> str:
     "Phase 3 was run in the worlds, its measured effect and whether the launches agree with it."
     if not cal: return "No calibration recorded (run `entropy-grpo calibrate`)."
     p3 = any("phase3" in r for r in cal["worlds"].values())
-    lines = ["| world | truth | launch | rate (95% interval) |" + (" Phase-3 effect (95%) | agreement |" if p3 else ""),
-             "|---|---|---|---|" + ("---|---|" if p3 else "")]
+    rows = []
     for w, r in cal["worlds"].items():
         t = r.get("phase3")
-        effect = f" {t['effect']:+.3f} ({t['interval'][0]:+.3f}, {t['interval'][1]:+.3f}) | {r['agreement']} |" \
-            if t else " | |" if p3 else ""
-        lines.append(f"| {w} | {r['truth']} | {r['launches']}/{r['n']} | {r['rate']:.0%} "
-                     f"({r['interval'][0]:.0%}–{r['interval'][1]:.0%}) |" + effect)
-    return "\n".join(lines)
+        effect = [f"{t['effect']:+.3f} ({t['interval'][0]:+.3f}, {t['interval'][1]:+.3f})", r["agreement"]] if t \
+            else ["", ""]
+        rows.append([w, r["truth"], f"{r['launches']}/{r['n']}",
+                     f"{r['rate']:.0%} ({r['interval'][0]:.0%}–{r['interval'][1]:.0%})"] + (effect if p3 else []))
+    return markdown_table(rows, ["world", "truth", "launch", "rate (95% interval)"]
+                          + (["Phase-3 effect (95%)", "agreement"] if p3 else []))

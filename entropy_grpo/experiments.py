@@ -14,7 +14,7 @@ import numpy as np
 from .reports import (TEMPLATES, git_sha, log_run, template_path,  # noqa: F401  (this module's names too)
                                   _rel, _stderr_to, check_parameters, dir_lock, lock_holder, read_metrics,
                                   recover_run, repo_root, resolve_paths, run_notebook, run_status, run_summary)
-from .utils import atomic_path, save_figure, write_json
+from .utils import atomic_path, markdown_table, save_figure, write_json
 
 # %% auto #0
 __all__ = ['hack_rate_separation', 'check_sweep_spec', 'visible_gpus', 'executor_parameters', 'make_executor',
@@ -259,9 +259,9 @@ def summarize(exp_dir, window:int=5) -> dict:
     out = dict(n_runs=len(runs), arms=rows,
                runs={k: {kk: vv for kk, vv in v.items() if kk != "curve"} for k, v in runs.items()})
     write_json(exp_dir/"summary.json", out)
-    md = ["| arm | seeds | last-5 hack rate | spread |", "|---|---|---|---|"] + \
-         [f"| {r['arm']} | {r['n_seeds']} | {r['hack_rate_last']:.3f} | {r['spread']:.3f} |" for r in rows]
-    with atomic_path(exp_dir/"summary.md") as tmp: tmp.write_text("\n".join(md) + "\n")
+    md = markdown_table([(r["arm"], r["n_seeds"], r["hack_rate_last"], r["spread"]) for r in rows],
+                        ["arm", "seeds", "last-5 hack rate", "spread"], "{:.3f}")
+    with atomic_path(exp_dir/"summary.md") as tmp: tmp.write_text(md + "\n")
     if runs: _plot_summary(runs, exp_dir/"summary.png")
     return out
 

@@ -134,12 +134,20 @@ def row_cosines(
     return torch.where(den > 0, (g @ v) / den.clamp_min(1e-300), torch.full_like(den, math.nan))
 
 # %% ../nbs/00c_utils.ipynb #f442c318
-def markdown_table(rows:list, cols:list|None=None, fmt:str="{:.4g}") -> str:
-    "A markdown table of row dicts (floats through `fmt`)."
+def markdown_table(
+    rows:list,                 # dicts (their `cols` keys), or sequences of one value per column
+    cols:list|None=None,       # the header (default: the first dict's keys)
+    fmt:str="{:.4g}",          # floats
+) -> str:
+    "A markdown table: the package's one table builder. `|` and line breaks in a cell are escaped, so no value can "
+    "add a column."
     cols = cols or list(rows[0])
-    cell = lambda v: fmt.format(v) if isinstance(v, float) else str(v)
-    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-                     + ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows])
+    cell = lambda v: (fmt.format(v) if isinstance(v, float) else str(v)).replace("|", "\\|").replace("\n", " ")
+    values = [[r[c] for c in cols] if isinstance(r, dict) else list(r) for r in rows]
+    if any(len(v) != len(cols) for v in values):
+        raise ValueError(f"rows of lengths {sorted({len(v) for v in values})}: expected {len(cols)} values ({cols})")
+    return "\n".join(["| " + " | ".join(map(cell, cols)) + " |", "|" + "---|" * len(cols)]
+                     + ["| " + " | ".join(map(cell, v)) + " |" for v in values])
 
 def tqdm_disable(progress:bool|None) -> bool|None:
     "tqdm's `disable` for a `progress` flag: None hides the bar when not on a terminal."

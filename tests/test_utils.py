@@ -103,3 +103,23 @@ def test_atomic_directory_kept_whole_when_the_swap_fails_and_writes_are_fsynced(
     monkeypatch.setattr(U.os, "fsync", lambda fd: (synced.append(fd), real(fd)))
     write_json(tmp_path / "m.json", {"a": 1})
     assert len(synced) >= 2                                       # the file and its directory
+
+
+def test_markdown_table_escapes_cells_and_checks_row_lengths():
+    "A `|` or a line break in a value never adds a column or a row; rows of the wrong length are refused."
+    from fastcore.test import test_fail
+    from entropy_grpo.utils import markdown_table
+    t = markdown_table([dict(a="x|y", b="two\nlines"), dict(a=0.5, b=3)])
+    assert t.splitlines() == ["| a | b |", "|---|---|", "| x\\|y | two lines |", "| 0.5 | 3 |"]
+    assert markdown_table([("p", 1.23456)], ["name", "value"], "{:.2f}").splitlines()[-1] == "| p | 1.23 |"
+    assert markdown_table([], ["a", "b"]) == "| a | b |\n|---|---|"
+    test_fail(lambda: markdown_table([("only one",)], ["a", "b"]), contains="expected 2 values", exc=ValueError)
+
+
+def test_the_verification_table_keeps_its_columns():
+    "A detail such as `|advantage| quantiles` used to add two cells to its row (8 against 6 headers)."
+    from entropy_grpo.decision import table_markdown
+    row = dict(key="reward_spread", metric="reward spread", arm="projected", value="median 3.25", null=None,
+               verdict="success", detail="|advantage| quantiles 0/25/50/75/100%: 0.8, 1.6")
+    for line in table_markdown([row]).splitlines():
+        assert line.replace("\\|", "").count("|") == 7, line
