@@ -193,7 +193,7 @@ def load_checkpoint(
     with torch.no_grad():
         for n, p in params.items(): p.copy_(saved[n])
     if optimizer is not None or scheduler is not None:
-        st = torch.load(path/"optimizer.pt", map_location=next(model.parameters()).device)
+        st = torch.load(path/"optimizer.pt", map_location=next(model.parameters()).device, weights_only=True)  # no code
         if optimizer is not None: optimizer.load_state_dict(st["optimizer"])
         if scheduler is not None: scheduler.load_state_dict(st["scheduler"])
     return json.loads((path/"state.json").read_text())

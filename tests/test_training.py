@@ -149,3 +149,26 @@ def test_report_to_tensorboard_gets_every_records_numbers(fresh_tiny, tmp_path):
     test_fail(lambda: TrainConfig(report_to=["tensorboard", 3]), contains="report_to=['tensorboard', 3]")
     test_fail(lambda: train(*fresh_tiny, DigitTask(64), _cfg(steps=1, report_to="tensorboard"), progress=False),
               contains="needs an out_dir")
+
+
+class _Payload:
+    "Unpickling this would run code (it sets a flag)."
+    ran = False
+    def __reduce__(self): return (_Payload._run, ())
+    @staticmethod
+    def _run():
+        _Payload.ran = True
+        return {}
+
+
+def test_a_checkpoint_cannot_execute_code_when_loaded(tiny, tmp_path):
+    "optimizer.pt is read with weights_only=True: a pickle that runs code is refused before anything runs."
+    from entropy_grpo.training import load_checkpoint
+    model, tok = copy.deepcopy(tiny)
+    res = train(model, tok, DigitTask(), _cfg(steps=1, checkpoint_every=1), out_dir=tmp_path)
+    ckpt, model, opt = latest_checkpoint(tmp_path), res.model, res.optimizer
+    load_checkpoint(ckpt, model, opt)                                   # a checkpoint of our own loads
+    torch.save(dict(optimizer=_Payload(), scheduler={}), ckpt/"optimizer.pt")
+    with pytest.raises(Exception, match="[Ww]eights only"):
+        load_checkpoint(ckpt, model, opt)
+    assert not _Payload.ran
