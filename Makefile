@@ -40,16 +40,18 @@ pytest: setup
 
 test: export-check nbtest pytest
 
-# The runs of record, committed under runs/ (each command re-runs its report from scratch; ~1.5 h on 2 CPU cores):
+# The runs of record, committed under runs/ (each command re-runs its report from scratch; ~2.5 h on 2 CPU cores):
 # the demo, the Phase-2 decision's calibration, a Phase-1 probe and a small Phase-3 sweep with its summary.
 POOLS := runs/demo/0-projected/pools
 record: setup
 	$(BIN)/entropy-grpo demo --out runs/demo/0-projected
+	$(BIN)/entropy-grpo calibrate --seeds 40 --out runs/calibration -p first_seed=2000 -p record=True
 	$(BIN)/python -c "from entropy_grpo.truth import measure_alignment, measure_truth; \
-	    measure_truth('runs/calibration', seeds=10, first_seed=2000); \
 	    measure_alignment('runs/calibration', seeds=10, first_seed=2000); \
-	    measure_truth('runs/calibration', ['signal_partial', 'style_hack', 'no_content', 'style_only'], seeds=70, \
-	                  first_seed=2010)"
+	    measure_truth('runs/calibration', ['signal_partial', 'style_hack', 'no_content', 'style_only'], seeds=20, \
+	                  first_seed=2013)"
+	# the report again over everything above (without run.json the finished runs are kept, not emptied)
+	rm -f runs/calibration/run.json
 	$(BIN)/entropy-grpo calibrate --seeds 40 --out runs/calibration -p first_seed=2000 -p record=True
 	$(BIN)/python -c "from entropy_grpo.truth import measure_truth; measure_truth('runs/calibration/k8', \
 	    ['signal_partial', 'no_content', 'style_hack', 'style_only'], seeds=8, first_seed=2000, k=8)"
