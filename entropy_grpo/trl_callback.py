@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from fastcore.basics import patch
-from transformers import TrainerCallback
 
 from .adapters import Adapter
 from .delta_entropy_is import DeltaEntropyIS, importance_config
@@ -123,7 +122,7 @@ class GenerateEntropy:
         return out
 
 # %% ../nbs/08_trl_callback.ipynb #9fdc2da7
-class GRPOProbe(TrainerCallback):   # events it does not define are TrainerCallback's no-ops
+class GRPOProbe:
     "ΔH_true, ΔH₁, v_hack alignment (and projection) and the sampled distribution's entropy inside a GRPOTrainer run."
     def __init__(
         self,
@@ -142,6 +141,11 @@ class GRPOProbe(TrainerCallback):   # events it does not define are TrainerCallb
         self.trainer, self.v_hack, self.adapter, self.prompts, self.E = trainer, v_hack, adapter, prompts, E
         self.generation = sampling_config(trainer, c.num_generations)
         self.history, self.entropy_hook, self._pending = [], None, None
+
+    def __getattr__(self, name):
+        "Every transformers callback event this class does not define (on_log, on_evaluate, …) is a no-op."
+        if name.startswith("on_"): return lambda *args, **kwargs: None
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def _log(self, values:dict, mode:str="train"):
         "Append scalars to TRL's metrics: `GRPOTrainer.log` averages them into the next record (and report_to)."

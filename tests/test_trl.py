@@ -182,13 +182,3 @@ def test_bad_input_is_named(tiny, tmp_path):
     assert probe.entropy_hook is None
     rp = grpo_trainer(tiny, tmp_path, repetition_penalty=1.1)
     test_fail(lambda: sampling_config(rp), contains="repetition_penalty")
-
-
-def test_grpo_probe_is_a_trainer_callback_with_only_real_events():
-    "A subclass of transformers' TrainerCallback: events it does not define are the base no-ops, and every on_* "
-    "method it defines is an event transformers calls (a misspelt one would never run)."
-    from transformers import TrainerCallback
-    from entropy_grpo.trl_callback import GRPOProbe
-    assert issubclass(GRPOProbe, TrainerCallback)
-    mine = {n for n in vars(GRPOProbe) if n.startswith("on_")}
-    assert mine and mine <= {n for n in vars(TrainerCallback) if n.startswith("on_")}, mine
