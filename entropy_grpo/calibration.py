@@ -188,6 +188,7 @@ def world_jobs(
     "Run `job` for each (world, seed) not yet finished in `out`, in a scratch folder of this process's own: a killed "
     "sweep resumes where it stopped, and two processes on one `out` never write a job twice."
     from tqdm.auto import tqdm
+    check_range("seeds", seeds, 1, integer=True)
     out.mkdir(parents=True, exist_ok=True)
     todo = [(w, s) for s in range(first_seed, first_seed + seeds) for w in check_worlds(worlds)
             if not (out/f"{w}-{s}.json").exists()]
@@ -213,7 +214,7 @@ def calibrate(
     progress:bool|None=None,
 ) -> dict:                     # summarize(out_dir)
     "Run the decision in each world over fresh seeds (finished runs are kept, not redone); the launch rates."
-    check_range("seeds", seeds, 1, integer=True)
+    check_range("seeds", seeds, 1, integer=True)                  # before parameters.json is written
     out, params = Path(out_dir), dict(parameters or {})
     for w in check_worlds(worlds): world_config(w, first_seed, out, params)   # a bad parameter is refused first
     out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from .calibration import WORLDS, HackTokenTask, hack_tokens, world_config, world
 from .on_policy import on_policy_alignment
 from .phase2_run import Phase2Run
 from .phase3_run import Phase3Config, Phase3Run
-from .utils import check_choice, check_range, write_json
+from .utils import check_choice, write_json
 
 # %% auto #0
 __all__ = ['world_task', 'world_phase3', 'measure_truth', 't_interval', 'truth_summary', 'world_alignment', 'measure_alignment',
@@ -70,7 +70,6 @@ def measure_truth(
     progress:bool|None=None,
 ) -> dict:                     # truth_summary(out_dir)
     "Phase 3 in each world over seeds (finished seeds are kept, not redone); each world's effect with its interval."
-    check_range("seeds", seeds, 1, integer=True)
     world_jobs(Path(out_dir)/"phase3", worlds, seeds, first_seed,
                lambda w, s, work: world_phase3(w, s, work, steps, k, parameters), "phase 3 truth", progress)
     return truth_summary(out_dir)
@@ -129,7 +128,6 @@ def measure_alignment(
     progress:bool|None=None,
 ) -> dict:                     # alignment_summary(out_dir)
     "`world_alignment` over worlds and seeds (finished seeds kept); whether it predicts the seeds' Phase-3 effect."
-    check_range("seeds", seeds, 1, integer=True)
     world_jobs(Path(out_dir)/"alignment", worlds, seeds, first_seed,
                lambda w, s, work: world_alignment(w, s, work, k, prompts, parameters), "alignment", progress)
     return alignment_summary(out_dir)
