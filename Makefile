@@ -50,8 +50,7 @@ record: setup
 	    measure_alignment('runs/calibration', seeds=10, first_seed=2000); \
 	    measure_truth('runs/calibration', ['signal_partial', 'style_hack', 'no_content', 'style_only'], seeds=20, \
 	                  first_seed=2013)"
-	# the report again over everything above (without run.json the finished runs are kept, not emptied)
-	rm -f runs/calibration/run.json
+	# the report again over everything above (its finished jobs are kept)
 	$(BIN)/entropy-grpo calibrate --seeds 40 --out runs/calibration -p first_seed=2000 -p record=True
 	$(BIN)/python -c "from entropy_grpo.truth import measure_truth; measure_truth('runs/calibration/k8', \
 	    ['signal_partial', 'no_content', 'style_hack', 'style_only'], seeds=8, first_seed=2000, k=8)"

@@ -16,12 +16,12 @@ from .phase2_run import Phase2Config, Phase2Run
 from .pools import write_jsonl_gz
 from .reports import git_sha
 from .tasks import ArithmeticTask
-from .utils import check_choice, check_range, markdown_table, tqdm_disable, write_json
+from .utils import check_choice, check_range, json_default, markdown_table, tqdm_disable, write_json
 
 # %% auto #0
 __all__ = ['WORLDS', 'STYLE_WORLDS', 'hack_tokens', 'HackTokenTask', 'world_pools', 'world_config', 'world_run', 'wilson',
-           'world_jobs', 'check_worlds', 'calibrate', 'summarize', 'calibration_figure', 'agreement', 'row_value',
-           'agreement_markdown', 'agreement_figure']
+           'world_jobs', 'job_results', 'check_worlds', 'calibrate', 'summarize', 'calibration_figure', 'agreement',
+           'row_value', 'agreement_markdown', 'agreement_figure']
 
 # %% ../nbs/06c_calibration.ipynb #c93aa587
 WORLDS = {  # world: (what is true, the answer it needs: "launch" or "no launch")
@@ -183,13 +183,19 @@ def world_jobs(
     worlds:list|None,          # default: every world
     seeds:int, first_seed:int, # seeds first_seed … first_seed + seeds − 1 of each world
     job,                       # job(world, seed, work_dir) -> a JSON-able dict
+    spec:dict,                 # what every job's result depends on besides (world, seed): out/jobs.json
     desc:str="", progress:bool|None=None,
 ):
     "Run `job` for each (world, seed) not yet finished in `out`, in a scratch folder of this process's own: a killed "
-    "sweep resumes where it stopped, and two processes on one `out` never write a job twice."
+    "sweep resumes where it stopped, two processes on one `out` never write a job twice, and jobs of another `spec` "
+    "are refused (a run's report starting afresh keeps a folder holding jobs.json)."
     from tqdm.auto import tqdm
     check_range("seeds", seeds, 1, integer=True)
     out.mkdir(parents=True, exist_ok=True)
+    spec, old = json.loads(json.dumps(spec, default=json_default)), out/"jobs.json"
+    if old.exists() and (was := json.loads(old.read_text())) != spec:
+        raise ValueError(f"{out} holds jobs run with {was}: expected {spec}; choose another folder")
+    if not old.exists(): write_json(old, spec)
     todo = [(w, s) for s in range(first_seed, first_seed + seeds) for w in check_worlds(worlds)
             if not (out/f"{w}-{s}.json").exists()]
     work = Path(tempfile.mkdtemp(prefix=".work-", dir=out))
@@ -198,6 +204,10 @@ def world_jobs(
             r = job(w, s, work)
             if not (out/f"{w}-{s}.json").exists(): write_json(out/f"{w}-{s}.json", r)
     finally: shutil.rmtree(work, ignore_errors=True)
+
+def job_results(out:Path) -> list[dict]:
+    "The finished jobs of `world_jobs` in `out` (<world>-<seed>.json; jobs.json is their spec), by name."
+    return [json.loads(p.read_text()) for p in sorted(Path(out).glob("*.json")) if p.name != "jobs.json"]
 
 def check_worlds(worlds:list|None) -> list:
     "`worlds` (default: every world), each checked."
@@ -214,17 +224,10 @@ def calibrate(
     progress:bool|None=None,
 ) -> dict:                     # summarize(out_dir)
     "Run the decision in each world over fresh seeds (finished runs are kept, not redone); the launch rates."
-    check_range("seeds", seeds, 1, integer=True)                  # before parameters.json is written
     out, params = Path(out_dir), dict(parameters or {})
     for w in check_worlds(worlds): world_config(w, first_seed, out, params)   # a bad parameter is refused first
-    out.mkdir(parents=True, exist_ok=True)
-    old = out/"parameters.json"
-    if old.exists() and json.loads(old.read_text()) != params:
-        raise ValueError(f"{out} holds a calibration with parameters {old.read_text()}: expected {params}; choose "
-                         "another out_dir")
-    write_json(old, params)
     world_jobs(out/"runs", worlds, seeds, first_seed, lambda w, s, work: world_run(w, s, work, params),
-               "calibration", progress)
+               dict(parameters=params), "calibration", progress)
     return summarize(out)
 
 # %% ../nbs/06c_calibration.ipynb #b2497596
@@ -233,7 +236,7 @@ _PER_RUN = ("model", "seed", "teacher_pool", "base_pool", "style_pool", "out_dir
 def summarize(out_dir:str|Path, record:bool=False) -> dict:
     "Launch rate per world with its Wilson 95% interval (summary.json; record=True also writes the package's copy)."
     out = Path(out_dir)
-    runs = [json.loads(p.read_text()) for p in sorted((out/"runs").glob("*.json"))]
+    runs = job_results(out/"runs")
     if not runs: raise ValueError(f"{out}/runs holds no finished calibration run")
     worlds = {}
     for w in [w for w in WORLDS if any(r["world"] == w for r in runs)]:
@@ -248,7 +251,8 @@ def summarize(out_dir:str|Path, record:bool=False) -> dict:
         worlds[w]["phase3"] = {k: truth[w][k] for k in ("n", "effect", "interval", "specific", "specific_interval",
                                                          "shows_effect")}
         worlds[w]["agreement"] = agreement(worlds[w])
-    params = json.loads((out/"parameters.json").read_text()) if (out/"parameters.json").exists() else {}
+    jobs = out/"runs"/"jobs.json"
+    params = json.loads(jobs.read_text())["parameters"] if jobs.exists() else {}
     config = asdict(world_config(next(iter(worlds)), 0, out, params))    # its per-run fields are dropped below
     seeds = sorted({r["seed"] for r in runs})
     s = dict(parameters={k: v for k, v in config.items() if k not in _PER_RUN}, seeds=dict(first=seeds[0],
@@ -291,8 +295,7 @@ def row_value(out_dir:str|Path) -> list[dict]:
     out = Path(out_dir)
     truth = json.loads((out/"truth.json").read_text())
     counts = {}
-    for p in sorted((out/"runs").glob("*.json")):
-        r = json.loads(p.read_text())
+    for r in job_results(out/"runs"):
         if r["world"] not in truth: continue
         for key, v in r["verdicts"].items():
             c = counts.setdefault(key, {True: [0, 0], False: [0, 0]})[truth[r["world"]]["shows_effect"]]

@@ -278,12 +278,14 @@ def _same_run(state:dict|None, template, parameters:dict) -> bool:
 
 def _prepare_run_dir(run_dir:Path, template, parameters:dict) -> str:
     "'resume': a stopped run of this template and these parameters, its files kept (checkpoints, pools); else 'fresh':"
-    " a directory that held another run (or a finished one) emptied. Either way no verdict is left."
+    " a directory that held another run (or a finished one) emptied, except folders of finished jobs (a jobs.json in"
+    " them or below: each job loop checks its own spec, so a calibration re-run adds seeds). Either way no verdict"
+    " is left."
     s = read_state(run_dir)
     mode = "resume" if _same_run(s, template, parameters) and s["state"] != "ok" else "fresh"
     if mode == "fresh" and s is not None:
         for p in run_dir.iterdir():
-            if p.name == ".lock": continue
+            if p.name == ".lock" or (p.is_dir() and next(p.rglob("jobs.json"), None)): continue
             if p.is_dir() and not p.is_symlink(): shutil.rmtree(p)
             else: p.unlink()
     for name in ("metrics.json", "report.ipynb", PARTIAL): (run_dir/name).unlink(missing_ok=True)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .calibration import WORLDS, HackTokenTask, hack_tokens, world_config, world_jobs, world_pools
+from .calibration import (WORLDS, HackTokenTask, hack_tokens, job_results, world_config, world_jobs,
+                                      world_pools)
 from .on_policy import on_policy_alignment
 from .phase2_run import Phase2Run
 from .phase3_run import Phase3Config, Phase3Run
@@ -71,7 +72,8 @@ def measure_truth(
 ) -> dict:                     # truth_summary(out_dir)
     "Phase 3 in each world over seeds (finished seeds are kept, not redone); each world's effect with its interval."
     world_jobs(Path(out_dir)/"phase3", worlds, seeds, first_seed,
-               lambda w, s, work: world_phase3(w, s, work, steps, k, parameters), "phase 3 truth", progress)
+               lambda w, s, work: world_phase3(w, s, work, steps, k, parameters),
+               dict(steps=steps, k=k, parameters=parameters or {}), "phase 3 truth", progress)
     return truth_summary(out_dir)
 
 def t_interval(x:list[float], level:float=0.95) -> tuple[float, float]:
@@ -85,7 +87,7 @@ def t_interval(x:list[float], level:float=0.95) -> tuple[float, float]:
 def truth_summary(out_dir:str|Path) -> dict:
     "Per world: the effect and the specific effect with their 95% intervals, whether Phase 3 shows an effect, the "
     "mean curves (truth.json)."
-    runs = [json.loads(p.read_text()) for p in sorted((Path(out_dir)/"phase3").glob("*.json"))]
+    runs = job_results(Path(out_dir)/"phase3")
     out = {}
     for w in [w for w in WORLDS if any(r["world"] == w for r in runs)]:
         rs = [r for r in runs if r["world"] == w]
@@ -129,7 +131,8 @@ def measure_alignment(
 ) -> dict:                     # alignment_summary(out_dir)
     "`world_alignment` over worlds and seeds (finished seeds kept); whether it predicts the seeds' Phase-3 effect."
     world_jobs(Path(out_dir)/"alignment", worlds, seeds, first_seed,
-               lambda w, s, work: world_alignment(w, s, work, k, prompts, parameters), "alignment", progress)
+               lambda w, s, work: world_alignment(w, s, work, k, prompts, parameters),
+               dict(k=k, prompts=prompts, parameters=parameters or {}), "alignment", progress)
     return alignment_summary(out_dir)
 
 def alignment_summary(out_dir:str|Path) -> dict:
@@ -137,8 +140,7 @@ def alignment_summary(out_dir:str|Path) -> dict:
     "Spearman correlation of alignment with the effect and with the specific effect (alignment.json)."
     from scipy import stats
     out = Path(out_dir)
-    al = [json.loads(p.read_text()) for p in sorted((out/"alignment").glob("*.json"))]
-    p3 = {(r["world"], r["seed"]): r for r in map(json.loads, map(Path.read_text, (out/"phase3").glob("*.json")))}
+    al, p3 = job_results(out/"alignment"), {(r["world"], r["seed"]): r for r in job_results(out/"phase3")}
     worlds = {}
     for w in [w for w in WORLDS if any(a["world"] == w for a in al)]:
         x = [a for a in al if a["world"] == w]

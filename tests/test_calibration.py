@@ -99,7 +99,7 @@ def test_calibration_resumes_without_redoing_or_double_counting(tmp_path, monkey
     assert s["worlds"]["no_content"]["gate"] == {"likely fail": 3}
     assert json.loads((tmp_path/"summary.json").read_text()) == json.loads(json.dumps(s))
     test_fail(lambda: calibrate(tmp_path, ["no_content"], seeds=3, parameters=dict(steps=5)),
-              contains="holds a calibration with parameters", exc=ValueError)
+              contains="holds jobs run with {'parameters': {'steps': 4}}", exc=ValueError)
     test_fail(lambda: calibrate(tmp_path, ["no_world"]), contains="world='no_world'", exc=ValueError)
     test_fail(lambda: calibrate(tmp_path/"x", parameters=dict(G=7)), contains="G=7", exc=ValueError)
     test_fail(lambda: calibrate(tmp_path/"y", ["style_hack"], parameters=dict(G=6)),

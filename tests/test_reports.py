@@ -119,6 +119,19 @@ def test_rerun_resumes_the_same_run_and_starts_another_clean_and_a_held_director
             run_notebook(template, run, dict(mark="a"), log_path=log)
 
 
+def test_a_fresh_start_keeps_folders_of_finished_jobs(tmp_path):
+    "A finished run started again is emptied, except folders holding jobs.json (the calibration's resumable seeds)."
+    template, run, log = tiny_template(tmp_path / "t.ipynb"), tmp_path / "exp" / "0-a", tmp_path / "LOG.md"
+    assert run_notebook(template, run, dict(mark="a"), log_path=log)["status"] == "ok"
+    for d in ("runs", "k8/phase3", "scratch"):
+        (run / d).mkdir(parents=True); (run / d / "signal-1.json").write_text("{}")
+    for d in ("runs", "k8/phase3"): (run / d / "jobs.json").write_text("{}")
+    assert run_notebook(template, run, dict(mark="a"), log_path=log)["status"] == "ok"
+    assert read_state(run)["mode"] == "fresh" and (run / "appended.txt").read_text() == "a\n"
+    assert (run / "runs" / "signal-1.json").exists() and (run / "k8" / "phase3" / "signal-1.json").exists()
+    assert not (run / "scratch").exists()
+
+
 def test_no_ok_without_every_artefact(tmp_path):
     "A figure the metrics list but the notebook never wrote: failed, not ok."
     template = tiny_template(tmp_path / "t.ipynb", body="(out/'fig.png').unlink()")

@@ -131,12 +131,15 @@ def test_world_jobs_resume_and_never_write_a_job_twice(tmp_path):
         if s == 2 and not killed: killed.append(w); raise KeyboardInterrupt
         return dict(world=w, seed=s)
     with pytest.raises(KeyboardInterrupt):
-        world_jobs(tmp_path/"out", ["signal", "no_content"], 2, 1, job)
-    assert sorted(p.name for p in (tmp_path/"out").iterdir()) == ["no_content-1.json", "signal-1.json"]
+        world_jobs(tmp_path/"out", ["signal", "no_content"], 2, 1, job, dict(k=1))
+    assert sorted(p.name for p in (tmp_path/"out").iterdir()) == ["jobs.json", "no_content-1.json", "signal-1.json"]
     def late(w, s, work):          # another process finishes the same job first
         (tmp_path/"out"/f"{w}-{s}.json").write_text(json.dumps("theirs"))
         return job(w, s, work)
-    world_jobs(tmp_path/"out", ["signal", "no_content"], 2, 1, late)
+    world_jobs(tmp_path/"out", ["signal", "no_content"], 2, 1, late, dict(k=1))
     assert calls[3:] == [("signal", 2), ("no_content", 2)]
     assert json.loads((tmp_path/"out"/"signal-2.json").read_text()) == "theirs"
-    test_fail(lambda: world_jobs(tmp_path/"out", ["nowhere"], 1, 1, job), contains="nowhere", exc=ValueError)
+    test_fail(lambda: world_jobs(tmp_path/"out", ["nowhere"], 1, 1, job, dict(k=1)), contains="nowhere", exc=ValueError)
+    test_fail(lambda: world_jobs(tmp_path/"out", ["signal"], 3, 1, job, dict(k=8)),          # jobs of another kind
+              contains="holds jobs run with {'k': 1}: expected {'k': 8}", exc=ValueError)
+    assert len(calls) == 5
