@@ -1,7 +1,7 @@
 """Overhead of `trl_callback.GRPOProbe` on a TRL GRPOTrainer step, as a ratio to the plain step in the same process.
 
 Three runs of the same trainer settings (same seed, same data): plain TRL; the probe measuring every step (`every=1`:
-E scored at θ and θ⁺ in float64, ∇H(E), plus cos_in and entropy_rb); the probe with `every=0` (only what it does on
+E sampled afresh from the float64 copy at θ, scored at θ and θ⁺, ∇H(E), plus cos_in and entropy_rb); the probe with `every=0` (only what it does on
 every step: cos_in/frac_fired after clipping and entropy_rb from generate's logits). A step is timed from
 `on_step_begin` to the end of `on_step_end` (generation, loss, backward, clipping, the probe, the optimizer step);
 the first step of each run is a warm-up. Printed: the median step time of each run and its ratio to the plain

@@ -16,7 +16,7 @@ from .sequence_processor import SequenceProcessor
 from .utils import base_optimizer
 
 # %% auto #0
-__all__ = ['TrainingState', 'probe_dtype', 'probe_copy']
+__all__ = ['TrainingState', 'probe_dtype', 'plain_forward', 'probe_copy']
 
 # %% ../nbs/02a_probe_state.ipynb #27ae576c
 class TrainingState:
@@ -60,6 +60,15 @@ def probe_dtype(dtype:str|torch.dtype|None="auto") -> torch.dtype:
         raise ValueError(f"dtype={dtype!r}: expected 'auto', 'float64' or 'float32'")
     return d
 
+def plain_forward(model):
+    "`model` (a copy) with its modules' own forwards: wrappers of a class's forward set on an instance (accelerate's"
+    " mixed precision, TRL's fused LM head) dropped."
+    for m in model.modules():
+        fn = getattr(vars(m).get("forward"), "__func__", None)
+        if vars(m).pop("_original_forward", None) is not None or getattr(fn, "__wrapped__", None) is type(m).forward:
+            vars(m).pop("forward", None)
+    return model
+
 def probe_copy(
     sp:SequenceProcessor,             # scores the run's model
     optimizer:torch.optim.Optimizer|None,  # steps its parameters (or a wrapper holding it); None: no optimizer copy
@@ -67,10 +76,11 @@ def probe_copy(
     checkpointing:bool|str|None="auto",  # the copy's gradient checkpointing; "auto": above CHECKPOINT_ABOVE parameters
 )->tuple[SequenceProcessor, torch.optim.Optimizer|None]:  # the same pair (norms made float64) when already in `dtype`
     "A copy of the model in `dtype` with its own SequenceProcessor and an optimizer of the same kind, state cast."
-    if all(p.dtype == dtype for p in sp.model.parameters() if p.is_floating_point()):
+    if "forward" not in vars(sp.model) and all(p.dtype == dtype for p in sp.model.parameters()
+                                                          if p.is_floating_point()):
         if dtype == torch.float64: full_precision_norms(sp.model)
         return sp, optimizer
-    model = copy.deepcopy(sp.model).to(dtype)
+    model = plain_forward(copy.deepcopy(sp.model)).to(dtype)
     if dtype == torch.float64: full_precision_norms(model)
     if wants_checkpointing(model, checkpointing): checkpointed_train_mode(model)
     psp = SequenceProcessor(model, sp.tokenizer, sp.config, progress=sp.progress)

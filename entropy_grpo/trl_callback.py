@@ -6,7 +6,8 @@ Docs: https://entropy-grpo.github.io/entropy_grpo/trl_callback.html.md"""
 
 # %% ../nbs/08_trl_callback.ipynb #489685d0
 from __future__ import annotations
-import copy, math, time
+import copy, math, time, warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ from .sequence_processor import (BatchedSequences, GenerationConfig, SequencePro
 from .utils import check_choice, check_range
 
 # %% auto #0
-__all__ = ['LOGGED', 'ProbeConfig', 'sampling_config', 'GenerateEntropy', 'GRPOProbe', 'add_grpo_probe']
+__all__ = ['MIRRORED', 'NEUTRAL', 'LOGGED', 'ProbeConfig', 'sampling_config', 'GenerateEntropy', 'GRPOProbe', 'add_grpo_probe']
 
 # %% ../nbs/08_trl_callback.ipynb #6733336e
 @dataclass
@@ -43,7 +44,7 @@ class ProbeConfig:
     overshoot:float=1.0             # project_grad's overshoot
     rb_entropy:bool=True            # log the RB entropy of each generation batch, per token
     prefix:str="entropy_grpo/"      # metric names in TRL's logs
-    seed:int=0                      # E's sampling seed (rank r adds r)
+    seed:int=0                      # E's sampling seed: seed·1_000_003 + 1000·step + rank
 
     def __post_init__(self):
         check_range("every", self.every, 0, integer=True)
@@ -61,22 +62,32 @@ class ProbeConfig:
         return importance_config(dict(weights=self.weights, support_growth=self.support_growth))
 
 # %% ../nbs/08_trl_callback.ipynb #62551d6b
+MIRRORED = ("temperature", "top_p", "top_k", "max_new_tokens")
+NEUTRAL = dict(do_sample=(True,), repetition_penalty=(None, 1.0), min_p=(None, 0.0), typical_p=(None, 1.0),
+               epsilon_cutoff=(None, 0.0), eta_cutoff=(None, 0.0), min_new_tokens=(None, 0), num_beams=(None, 1),
+               no_repeat_ngram_size=(None, 0), suppress_tokens=(None, []), bad_words_ids=(None, []),
+               **dict.fromkeys(("use_cache", "cache_implementation", "disable_compile", "compile_config",
+                                "pad_token_id", "bos_token_id", "output_scores", "output_logits",
+                                "return_dict_in_generate"), None))   # None: any value
+
 def sampling_config(
     trainer,                        # a trl.GRPOTrainer
     num_generations:int|None=None,  # None: the trainer's
 )->GenerationConfig:                # TRL's temperature, top_p, top_k, max_completion_length and G
-    "The distribution a GRPOTrainer samples from, as a GenerationConfig; a ValueError for knobs it cannot express."
-    rp, min_p = getattr(trainer, "repetition_penalty", 1.0), getattr(trainer, "min_p", None)
-    extra = {k: v for k, v in (trainer.args.generation_kwargs or {}).items()
-             if k in ("repetition_penalty", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_k", "top_p",
-                      "temperature")}
-    bad = ({"repetition_penalty": rp} if rp not in (None, 1.0) else {}) | (
-        {"min_p": min_p} if min_p not in (None, 0.0) else {}) | extra
+    "The distribution a GRPOTrainer samples from, as a GenerationConfig; a ValueError naming every setting outside it."
+    kw = dict(trainer.args.generation_kwargs or {})
+    given = dict(repetition_penalty=getattr(trainer, "repetition_penalty", 1.0),
+                 min_p=getattr(trainer, "min_p", None)) | kw
+    bad = {k: v for k, v in given.items()
+           if k not in MIRRORED and not (k in NEUTRAL and (NEUTRAL[k] is None or v in NEUTRAL[k]))}
     if bad:
-        raise ValueError(f"{bad}: GRPOProbe measures the temperature → top-k → top-p distribution; these knobs of the "
-                         "trainer's sampling are outside it (leave them at their defaults)")
-    return GenerationConfig(temperature=float(trainer.temperature), top_p=float(trainer.top_p),
-                            top_k=int(trainer.top_k or 0), max_new_tokens=int(trainer.max_completion_length),
+        raise ValueError(f"{bad}: these sampling settings change the distribution generate samples from, and "
+                         "GRPOProbe measures temperature → top-k → top-p only (generation_kwargs may set "
+                         f"{', '.join(MIRRORED)}); leave them at their defaults")
+    get = lambda k, default: kw.get(k, default)
+    return GenerationConfig(temperature=float(get("temperature", trainer.temperature)),
+                            top_p=float(get("top_p", trainer.top_p)), top_k=int(get("top_k", trainer.top_k) or 0),
+                            max_new_tokens=int(get("max_new_tokens", trainer.max_completion_length)),
                             num_generations=int(num_generations or trainer.num_generations), seed=0)
 
 # %% ../nbs/08_trl_callback.ipynb #8ec3657e
@@ -131,16 +142,21 @@ class GRPOProbe:
         v_hack:VHack|None=None,         # per-module directions in `adapter`'s space (cos_in every step; project)
         adapter:Adapter|None=None,      # the run's trainable parameters grouped per module (LoraAdapter.from_peft, …)
         prompts:list|None=None,         # E's prompts as the train set has them; None: the first n_prompts rows
-        E:BatchedSequences|None=None,   # a ready E [B, G, T] (then nothing is sampled)
     ):
         self.config = c = config if isinstance(config, ProbeConfig) else ProbeConfig(**(config or {}))
+        for flag, name, why in (("is_deepspeed_enabled", "DeepSpeed", "its optimizer steps inside backward, so the "
+                                 "callback would see θ⁺ and zeroed gradients"),
+                                ("is_fsdp_enabled", "FSDP", "its parameters are sharded, and the scoring copy and Δθ "
+                                 "need whole tensors")):
+            if getattr(trainer, flag, False): raise ValueError(f"GRPOProbe does not support {name}: {why}; run it "
+                                                               "with DDP or one process")
         if c.project and v_hack is None: raise ValueError("project=True needs a v_hack (and its adapter)")
         if v_hack is not None:
             if adapter is None: raise ValueError("a v_hack needs the adapter it was extracted in")
             v_hack = v_hack.check(adapter).to(adapter.parameters()[0].device)
-        self.trainer, self.v_hack, self.adapter, self.prompts, self.E = trainer, v_hack, adapter, prompts, E
+        self.trainer, self.v_hack, self.adapter, self.prompts, self.E = trainer, v_hack, adapter, prompts, None
         self.generation = sampling_config(trainer, c.num_generations)
-        self.history, self.entropy_hook, self._pending = [], None, None
+        self.history, self.entropy_hook, self._pending, self._rb = [], None, None, {}
 
     def __getattr__(self, name):
         "Every transformers callback event this class does not define (on_log, on_evaluate, …) is a no-op."
@@ -160,32 +176,35 @@ def add_grpo_probe(trainer, config:ProbeConfig|dict|None=None, **kw) -> GRPOProb
 # %% ../nbs/08_trl_callback.ipynb #5849cdf9
 @patch
 @torch.no_grad()
-def _sample_E(self:GRPOProbe, model) -> BatchedSequences:
-    "E from the live policy: n_prompts prompts tokenized as TRL does, G completions each, TRL's sampling knobs."
-    c, tr = self.config, self.trainer
-    prompts = self.prompts if self.prompts is not None else tr.train_dataset[:c.n_prompts]["prompt"]
-    ids = tr._tokenize_prompts(list(prompts)[:c.n_prompts])[0]
-    sp = SequenceProcessor(model, copy.deepcopy(tr.processing_class), self.generation, progress=False)
-    return sp.generate_batched([list(x) for x in ids], seed=c.seed * 1_000_003 + rank())
+def _sample_E(self:GRPOProbe, step:int) -> BatchedSequences:
+    "E at the copy's θ: G completions of each prompt, TRL's sampling knobs, seed·1_000_003 + 1000·step + rank."
+    hooked = self.entropy_hook is not None and self.entropy_hook.model is self.sp.model   # scored in place
+    if hooked: self.entropy_hook.remove()
+    try: return self.sp.generate_batched(self.prompt_ids, seed=self.config.seed * 1_000_003 + 1000 * step + rank())
+    finally:
+        if hooked: self.entropy_hook.install()
 
 @patch
 def on_train_begin(self:GRPOProbe, args, state, control, model=None, **kw):
-    c, tok = self.config, copy.deepcopy(self.trainer.processing_class)
+    c, tr, tok = self.config, self.trainer, copy.deepcopy(self.trainer.processing_class)
     self.live = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if self.adapter is not None and not {id(p) for p in self.adapter.parameters()} <= {id(p) for p in
                                                                                       self.live.values()}:
         raise ValueError("the adapter's parameters are not the trainer's trainable parameters: build it on "
                          "trainer.model (LoraAdapter.from_peft(trainer.model), WeightsAdapter(trainer.model, ...))")
-    if c.every:                                 # E and the scoring copy only when ΔH is measured at all
-        if self.E is None: self.E = self._sample_E(model)
+    if c.every:                                 # the prompts and the scoring copy only when ΔH is measured at all
+        prompts = self.prompts if self.prompts is not None else tr.train_dataset[:c.n_prompts]["prompt"]
+        self.prompt_ids = [list(x) for x in tr._tokenize_prompts(list(prompts)[:c.n_prompts])[0]]
         self.sp, _ = probe_copy(SequenceProcessor(model, tok, self.generation, progress=False), None,
                                 probe_dtype(c.dtype))
-        if self.sp.model is not model: self.sp.model.eval()
+        if self.sp.model is not model and not _checkpointed(self.sp.model): self.sp.model.eval()
         own = dict(self.sp.model.named_parameters())
         self.copy = {n: own[n] for n in self.live}
         self.probe = DeltaEntropyIS(self.sp.model, self.sp.config, sequence_processor=self.sp)
-    if c.rb_entropy and not getattr(self.trainer, "use_vllm", False):
-        eos = getattr(self.trainer, "eos_token_ids", None) or tok.eos_token_id
+    if c.rb_entropy and getattr(tr, "use_vllm", False):
+        warnings.warn("GRPOProbe: entropy_rb is not logged with vLLM generation (its logits stay in vLLM)")
+    elif c.rb_entropy:
+        eos = getattr(tr, "eos_token_ids", None) or tok.eos_token_id
         self.entropy_hook = GenerateEntropy(model, self.generation, eos, self._on_generation).install()
 
 @patch
@@ -195,9 +214,21 @@ def on_train_end(self:GRPOProbe, args, state, control, **kw):
 # %% ../nbs/08_trl_callback.ipynb #1763e0c8
 @patch
 def _on_generation(self:GRPOProbe, rb:Tensor, mask:Tensor):
-    "One generation batch's RB entropy per token, summed and counted over every rank, into TRL's metrics."
-    s = all_reduce_sum([torch.stack([(rb * mask).sum().double(), mask.sum().double()])])[0]
-    self._log(dict(entropy_rb=float(s[0] / s[1].clamp_min(1))), "train" if self.trainer.model.training else "eval")
+    "One generation batch's RB entropy per token: summed and counted on this rank until the next flush."
+    mode = "train" if self.trainer.model.training else "eval"
+    s = torch.stack([(rb * mask).sum().double(), mask.sum().double()])
+    self._rb[mode] = s if mode not in self._rb else self._rb[mode] + s.to(self._rb[mode].device)
+
+@patch
+def _flush_rb(self:GRPOProbe, mode:str):
+    "The RB entropy per token of every rank's generations since the last flush (one all-reduce), into TRL's metrics."
+    if not self.config.rb_entropy: return
+    dev = next(self.trainer.model.parameters()).device
+    s = all_reduce_sum([self._rb.pop(mode, torch.zeros(2, dtype=torch.float64)).to(dev)])[0]
+    if s[1] > 0: self._log(dict(entropy_rb=float(s[0] / s[1])), mode)
+
+@patch
+def on_prediction_step(self:GRPOProbe, args, state, control, **kw): self._flush_rb("eval")
 
 @patch
 @torch.no_grad()
@@ -205,6 +236,18 @@ def _sync(self:GRPOProbe):
     "The copy's trainable parameters set from the live ones (cast to the scoring dtype)."
     for n, p in self.live.items():
         if self.copy[n] is not p: self.copy[n].copy_(p)
+
+def _checkpointed(model) -> bool: return bool(getattr(model, "is_gradient_checkpointing", False))
+
+@patch
+@contextmanager
+def _scoring(self:GRPOProbe):
+    "The scoring model in eval mode for the block (the live model itself, scored in place, is restored after)."
+    m = self.sp.model
+    was = m.training
+    if not _checkpointed(m): m.eval()
+    try: yield
+    finally: m.train(was)
 
 # %% ../nbs/08_trl_callback.ipynb #52c3d914
 @patch
@@ -216,23 +259,28 @@ def on_pre_optimizer_step(self:GRPOProbe, args, state, control, **kw):
         self._log({f"{k}_{io}": st[f"{k}_{io}"] for k in COS_KEYS for io in ("in", "out")} |
                   dict(frac_fired=st["frac_fired"]))
     if not (c.every and state.global_step % c.every == 0): return
+    if all(g["lr"] == 0 for g in self.trainer.optimizer.param_groups): return
     t = time.perf_counter()
     self._sync()
     theta = {n: p.detach().clone() for n, p in self.copy.items()}
-    before = self.probe.score(self.E, c.importance)
-    grad_H, _ = entropy_gradient(self.sp, self.E, c.estimator, list(self.copy.values()))
-    self._pending = dict(theta=theta, before=before, grad_H=grad_H, seconds=time.perf_counter() - t)
+    with self._scoring():
+        self.E = E = self._sample_E(state.global_step)
+        before = self.probe.score(E, c.importance)
+        grad_H, _ = entropy_gradient(self.sp, E, c.estimator, list(self.copy.values()))
+    self._pending = dict(E=E, theta=theta, before=before, grad_H=grad_H, seconds=time.perf_counter() - t)
 
 # %% ../nbs/08_trl_callback.ipynb #4d58bcee
 LOGGED = ("deltaH_true", "deltaH_true_se", "deltaH_true_fixed_support", "deltaH_support_change", "deltaH1", "H_orig",
-          "ess_frac", "coverage", "n_zero_weight_sequences", "delta_theta_norm", "seconds")
+          "H_upd", "ess_frac", "coverage", "n_zero_weight_sequences", "delta_theta_norm", "seconds")
 
 @patch
 def on_step_end(self:GRPOProbe, args, state, control, **kw):
-    if self._pending is None: return
+    self._flush_rb("train")
     pend, self._pending, t = self._pending, None, time.perf_counter()
+    if pend is None or getattr(self.trainer.accelerator, "optimizer_step_was_skipped", False): return
     self._sync()
-    out = self.probe.change(self.E, pend["before"], self.config.importance, on_nonfinite="nan")
+    with self._scoring():
+        out = self.probe.change(pend["E"], pend["before"], self.config.importance, on_nonfinite="nan")
     delta = [p.detach() - pend["theta"][n] for n, p in self.copy.items()]
     out.update(step=state.global_step,
                deltaH1=sum(float((g.double() * d.double()).sum()) for g, d in zip(pend["grad_H"], delta)),

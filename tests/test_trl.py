@@ -17,9 +17,11 @@ from trl import GRPOConfig, GRPOTrainer
 from entropy_grpo.adapters import LoraAdapter, WeightsAdapter
 from entropy_grpo.delta_entropy_is import DeltaEntropyIS
 from entropy_grpo.policies import full_precision_norms
+from entropy_grpo.probe_state import plain_forward
 from entropy_grpo.probes import entropy_gradient, optimizer_delta
 from entropy_grpo.projection_arms import alignment_stats, project_grad, random_v_hack
 from entropy_grpo.sequence_processor import BatchedSequences, SequenceProcessor, make_probe_batch
+from entropy_grpo.utils import markdown_table
 from entropy_grpo.trl_callback import GRPOProbe, add_grpo_probe, sampling_config
 
 PROMPTS = [f"Question: What is {a} + {b}? Answer:" for a, b in [(3, 4), (12, 7), (25, 9), (6, 6)]]
@@ -31,12 +33,14 @@ def reward(completions, **kw):
     return [0.5 * sum(ch.isdigit() for ch in c) - 0.05 * len(c) for c in completions]
 
 
-def grpo_trainer(policy, out, peft=True, **kw):
+def grpo_trainer(policy, out, peft=True, dtype=None, **kw):
     "A GRPOTrainer on a copy of `policy`: 4 prompts × G 4 per step, 8 tokens, top_p 0.9, lr 2e-3, 3 steps, CPU."
     model, tok = copy.deepcopy(policy)
-    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-                      max_steps=3, learning_rate=2e-3, temperature=1.0, top_p=0.9, use_cpu=True, logging_steps=1,
-                      save_strategy="no", seed=0, disable_tqdm=True, **{"report_to": "none", **kw})
+    if dtype is not None: model.to(dtype)
+    args = GRPOConfig(**{**dict(output_dir=str(out), per_device_train_batch_size=4, num_generations=4,
+                                max_completion_length=8, max_steps=3, learning_rate=2e-3, temperature=1.0, top_p=0.9,
+                                use_cpu=True, logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True,
+                                report_to="none"), **kw})
     return GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok,
                        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
                        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if peft else None)
@@ -57,7 +61,12 @@ class Recorder(TrainerCallback):
 
 
 class Stepped(Recorder):
-    "The same record, taken after the probe's callback: the gradient the optimizer actually steps."
+    "The same record, taken after the probe's callback: the gradient the optimizer actually steps, and the step's E."
+    def __init__(self, probe=None): super().__init__(); self.probe = probe
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        super().on_pre_optimizer_step(args, state, control, **kw)
+        self.steps[-1]["E"] = self.probe.E
 
 
 class Jump(torch.optim.Optimizer):
@@ -71,17 +80,24 @@ class Jump(torch.optim.Optimizer):
         for p, t in zip(self.param_groups[0]["params"], self.target): p.copy_(t)
 
 
-def reference(trainer, E, steps):
-    "Per recorded step, from θ and θ⁺ alone: DeltaEntropyIS.entropy_change on E and ⟨∇H(E), θ⁺ − θ⟩, in float64."
-    model = copy.deepcopy(trainer.model).to(torch.float64).eval()
+def float64_copy(trainer):
+    "The trainer's model in float64, eval mode, without accelerate's bf16-autocast forward."
+    model = plain_forward(copy.deepcopy(trainer.model)).to(torch.float64).eval()
+    model.__dict__.pop("generate", None)                                       # the probe's hook, if installed
     full_precision_norms(model)
+    return model
+
+
+def reference(trainer, steps):
+    "Per recorded step, from θ, θ⁺ and the step's E alone: DeltaEntropyIS.entropy_change and ⟨∇H(E), θ⁺ − θ⟩."
+    model = float64_copy(trainer)
     sp = SequenceProcessor(model, copy.deepcopy(trainer.processing_class), sampling_config(trainer))
     names = list(steps[0]["theta"])
     params = [dict(model.named_parameters())[n] for n in names]
-    zeros = torch.zeros(E.shape[:2])
-    U = make_probe_batch(E, zeros, zeros)           # the update is Jump's: U's gradient is computed and ignored
     out = []
     for s in steps:
+        E, zeros = s["E"], torch.zeros(s["E"].shape[:2])
+        U = make_probe_batch(E, zeros, zeros)       # the update is Jump's: U's gradient is computed and ignored
         with torch.no_grad():
             for p, n in zip(params, names): p.copy_(s["theta"][n])
         dH = DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change(
@@ -101,15 +117,25 @@ def test_lora_run_logs_the_true_entropy_change_of_each_step_and_projects_as_proj
     trainer = grpo_trainer(tiny, tmp_path)
     adapter = LoraAdapter.from_peft(trainer.model)
     v_hack = random_v_hack(adapter, k=1, seed=3)
-    pre, post = Recorder(), Stepped()
+    pre = Recorder()
     trainer.add_callback(pre)
     probe = add_grpo_probe(trainer, dict(every=1, n_prompts=2, project=True), v_hack=v_hack, adapter=adapter)
+    post = Stepped(probe)
     trainer.add_callback(post)
     trainer.train()
-    E = probe.E
-    assert isinstance(E, BatchedSequences) and E.shape[:2] == (2, 4)
+    Es = [s["E"] for s in post.steps]                                        # E sampled afresh at each step's θ
+    assert all(isinstance(E, BatchedSequences) and E.shape[:2] == (2, 4) for E in Es)
+    assert not torch.equal(Es[0].sequences[..., -3:], Es[1].sequences[..., -3:])
     assert probe.sp.model is not trainer.model and next(probe.sp.model.parameters()).dtype == torch.float64
-    ref = reference(trainer, E, post.steps)
+    assert trainer.accelerator.native_amp and "_original_forward" in vars(trainer.model)   # TRL's bf16 autocast
+    x = Es[0].sequences[:, 0]
+    with torch.no_grad():                                                    # the copy computes with its own θ
+        out, w = probe.sp.model(x).logits, probe.sp.model.get_output_embeddings().weight
+        assert out.dtype == torch.float64                                    # not autocast, not cast to float32
+        w.add_(1e-3)
+        assert (probe.sp.model(x).logits - out).abs().max() > 1e-6           # not TRL's closure over the live model
+        w.sub_(1e-3)
+    ref = reference(trainer, post.steps)
     dH, dH1 = logged(trainer, "deltaH_true"), logged(trainer, "deltaH1")
     assert sorted(dH) == [1, 2, 3] == [r["step"] for r in ref]
     for r in ref:
@@ -150,13 +176,13 @@ def test_full_fine_tuning_measures_in_weight_space_and_reaches_tensorboard(tiny,
     trainer = grpo_trainer(tiny, tmp_path, peft=False, report_to="tensorboard")
     adapter = WeightsAdapter(trainer.model, ["q_proj", "o_proj"])
     v_hack = random_v_hack(adapter, k=2, seed=0)
-    rec = Recorder()
-    trainer.add_callback(rec)
     probe = add_grpo_probe(trainer, dict(every=2, n_prompts=2), v_hack=v_hack, adapter=adapter)
+    rec = Stepped(probe)
+    trainer.add_callback(rec)
     trainer.train()
     dH = logged(trainer, "deltaH_true")
     assert sorted(dH) == [1, 3]                                              # every=2: steps 0 and 2 (0-based)
-    ref = reference(trainer, probe.E, [s for s in rec.steps if s["step"] in dH])
+    ref = reference(trainer, [s for s in rec.steps if s["step"] in dH])
     for r in ref: assert abs(dH[r["step"]] - r["deltaH_true"]) <= 1e-9 * max(1.0, abs(r["deltaH_true"])), r
     cos = logged(trainer, "cos_in")
     for s in rec.steps:                                                      # measured every step, grads untouched
@@ -182,3 +208,121 @@ def test_bad_input_is_named(tiny, tmp_path):
     assert probe.entropy_hook is None
     rp = grpo_trainer(tiny, tmp_path, repetition_penalty=1.1)
     test_fail(lambda: sampling_config(rp), contains="repetition_penalty")
+
+
+def test_sampling_settings_are_mirrored_or_refused_by_name(tiny, tmp_path):
+    "generation_kwargs override TRL's knobs as TRL applies them; a setting that changes the distribution is refused."
+    g = sampling_config(grpo_trainer(tiny, tmp_path, generation_kwargs=dict(top_p=0.8, top_k=20, max_new_tokens=5,
+                                                                            use_cache=True, min_p=0.0)))
+    assert (g.top_p, g.top_k, g.max_new_tokens, g.temperature) == (0.8, 20, 5, 1.0)
+    for bad in (dict(min_new_tokens=3), dict(do_sample=False), dict(no_repeat_ngram_size=2), dict(suppress_tokens=[5]),
+                dict(bad_words_ids=[[5]]), dict(eos_token_id=7), dict(num_beams=2)):
+        test_fail(lambda: sampling_config(grpo_trainer(tiny, tmp_path, generation_kwargs=bad)), contains=str(bad)[1:-1])
+    trainer = grpo_trainer(tiny, tmp_path)
+    for flag, name in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")):
+        setattr(trainer, flag, True)
+        test_fail(lambda: GRPOProbe(trainer), contains=f"GRPOProbe does not support {name}")
+        setattr(trainer, flag, False)
+
+
+def test_zero_lr_and_skipped_steps_are_not_measurements(tiny, tmp_path, monkeypatch):
+    "A warmup from lr 0 leaves step 1 unmeasured; a step the optimizer skipped (fp16 overflow) logs no ΔH."
+    from accelerate import Accelerator
+    trainer = grpo_trainer(tiny, tmp_path, warmup_steps=1, lr_scheduler_type="linear")
+    probe = add_grpo_probe(trainer, dict(every=1, n_prompts=2))
+    skipped = []
+    monkeypatch.setattr(Accelerator, "optimizer_step_was_skipped",
+                        property(lambda self: trainer.state.global_step == 3 and not skipped.append(3)))
+    trainer.train()
+    assert sorted(logged(trainer, "deltaH_true")) == [2] and [h["step"] for h in probe.history] == [2]
+    assert sorted(logged(trainer, "entropy_rb")) == [1, 2, 3] and skipped
+
+
+
+
+SETUPS = {"gradient accumulation 2": dict(gradient_accumulation_steps=2, per_device_train_batch_size=2),
+          "steps_per_generation 2": dict(steps_per_generation=2), "num_iterations 2": dict(num_iterations=2),
+          "logging_steps 2": dict(logging_steps=2), "temperature 0.7, top_k 20": dict(temperature=0.7, top_k=20),
+          "bf16 model, full fine-tuning": dict(dtype=torch.bfloat16, peft=False)}
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_every_measured_step_is_that_steps_change_in_the_setups_users_run(setup, tiny, tmp_path):
+    "Each step's ΔH_true and ΔH₁ equal DeltaEntropyIS and ⟨∇H, θ⁺ − θ⟩ on that step's E between the θ and θ⁺ the"
+    " optimizer produced; with logging_steps 2 TRL logs their mean over the window."
+    trainer = grpo_trainer(tiny, tmp_path, **SETUPS[setup])
+    probe = add_grpo_probe(trainer, dict(every=1, n_prompts=2))
+    rec = Stepped(probe)
+    trainer.add_callback(rec)
+    trainer.train()
+    hist = {h["step"]: h for h in probe.history}
+    assert sorted(hist) == [1, 2, 3] and sampling_config(trainer).temperature == trainer.args.temperature
+    assert next(probe.sp.model.parameters()).dtype == torch.float64
+    for r in reference(trainer, rec.steps):
+        for key in ("deltaH_true", "deltaH1"):
+            assert abs(hist[r["step"]][key] - r[key]) <= 1e-9 * max(1.0, abs(r[key])), (key, r)
+    dH = logged(trainer, "deltaH_true")
+    if trainer.args.logging_steps == 2: assert dH[2] == pytest.approx((hist[1]["deltaH_true"] +
+                                                                       hist[2]["deltaH_true"]) / 2, rel=1e-6)
+    else: assert dH == pytest.approx({k: h["deltaH_true"] for k, h in hist.items()}, rel=1e-6)
+
+
+def test_a_resumed_run_measures_its_own_steps(tiny, tmp_path):
+    "Stopped after step 2 (checkpoint), resumed to step 4: the resumed run measures steps 3 and 4 from their θ."
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw): control.should_training_stop = state.global_step == 2
+    first = grpo_trainer(tiny, tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+    add_grpo_probe(first, dict(every=1, n_prompts=2))
+    first.add_callback(Stop())
+    first.train()
+    assert first.state.global_step == 2
+    trainer = grpo_trainer(tiny, tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+    probe = add_grpo_probe(trainer, dict(every=1, n_prompts=2))
+    rec = Stepped(probe)
+    trainer.add_callback(rec)
+    trainer.train(resume_from_checkpoint=True)
+    assert [h["step"] for h in probe.history] == [3, 4]
+    for r, h in zip(reference(trainer, rec.steps), probe.history):
+        assert abs(h["deltaH_true"] - r["deltaH_true"]) <= 1e-9 * max(1.0, abs(r["deltaH_true"])), r
+
+
+def at_theta(trainer, theta):
+    "A float64 copy of the trainer's model at θ: its SequenceProcessor and DeltaEntropyIS."
+    model = float64_copy(trainer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in theta: p.copy_(theta[name])
+    sp = SequenceProcessor(model, copy.deepcopy(trainer.processing_class), sampling_config(trainer))
+    return sp, DeltaEntropyIS(model, sp.config, sequence_processor=sp)
+
+
+def mean_se(S, B=4):
+    "Mean of per-sequence entropies [B·G] and its se over fresh completions of the same B prompts (within prompts)."
+    S = S.double().view(B, -1)
+    return float(S.mean()), float(S.var(1).div(S.shape[1]).sum().sqrt() / B)
+
+
+@pytest.mark.slow
+def test_h_orig_and_h_upd_are_the_policys_entropy_at_every_measured_step(tiny, tmp_path):
+    "13 full fine-tuning steps at lr 3e-2 that move the policy: at each measured step H_orig (H_upd) is within 4 se of"
+    " the entropy of 512 fresh completions at θ (θ⁺), and the policy has moved by more than that by the end."
+    trainer = grpo_trainer(tiny, tmp_path, peft=False, max_steps=13, learning_rate=3e-2)
+    probe = add_grpo_probe(trainer, dict(every=4, n_prompts=4, num_generations=16))
+    rec = Stepped(probe)
+    trainer.add_callback(rec)
+    trainer.train()
+    assert [h["step"] for h in probe.history] == [1, 5, 9, 13]
+    rows = []
+    for h, s in zip(probe.history, [s for s in rec.steps if s["step"] in (1, 5, 9, 13)]):
+        sp, d = at_theta(trainer, s["theta"])
+        own, se_own = mean_se(d.score(s["E"])["S"])                          # the step's own E, 64 completions
+        assert own == pytest.approx(h["H_orig"], abs=1e-9)
+        fresh, se = mean_se(d.score(sp.generate_batched(probe.prompt_ids, G=128, seed=7 + s["step"]))["S"])
+        sp, d = at_theta(trainer, s["theta_plus"])
+        fresh_upd, se_upd = mean_se(d.score(sp.generate_batched(probe.prompt_ids, G=128, seed=8 + s["step"]))["S"])
+        rows.append(dict(step=h["step"], H_orig=h["H_orig"], fresh=fresh,
+                         z=(h["H_orig"] - fresh) / math.hypot(se_own, se), H_upd=h["H_upd"], fresh_upd=fresh_upd,
+                         z_upd=(h["H_upd"] - fresh_upd) / math.hypot(se_own + h["deltaH_true_se"], se_upd), se=se))
+    print("\n" + markdown_table(rows, fmt="{:.3f}"))
+    assert all(abs(r["z"]) <= 4 and abs(r["z_upd"]) <= 4 for r in rows), rows
+    assert abs(rows[-1]["fresh"] - rows[0]["fresh"]) > 4 * math.hypot(rows[0]["se"], rows[-1]["se"]), rows
