@@ -267,6 +267,29 @@ def test_every_measured_step_is_that_steps_change_in_the_setups_users_run(setup,
     else: assert dH == pytest.approx({k: h["deltaH_true"] for k, h in hist.items()}, rel=1e-6)
 
 
+
+def test_first_order_prediction_is_the_fixed_support_change_at_a_small_step(tiny, tmp_path):
+    "ΔH₁ = ⟨∇H(E), Δθ⟩ is the derivative of the fixed-support ΔH_true's estimator: at lr 1e-6 the two agree to 1e-3."
+    trainer = grpo_trainer(tiny, tmp_path, learning_rate=1e-6, max_steps=2)
+    probe = add_grpo_probe(trainer, dict(every=1, n_prompts=2))
+    trainer.train()
+    for h in probe.history:
+        assert h["deltaH1"] != 0 and abs(h["deltaH_true_fixed_support"] / h["deltaH1"] - 1) < 1e-3, h
+
+
+def test_a_checkpointed_copy_stays_checkpointed(tiny, tmp_path, monkeypatch):
+    "Above CHECKPOINT_ABOVE parameters the copy is checkpointed (train mode, dropouts 0) and measures the same step."
+    from entropy_grpo import policies
+    monkeypatch.setattr(policies, "CHECKPOINT_ABOVE", 0)
+    trainer = grpo_trainer(tiny, tmp_path, max_steps=1)
+    probe = add_grpo_probe(trainer, dict(every=1, n_prompts=2))
+    rec = Stepped(probe)
+    trainer.add_callback(rec)
+    trainer.train()
+    assert probe.sp.model.training and probe.sp.model.is_gradient_checkpointing
+    r = reference(trainer, rec.steps)[0]
+    assert abs(probe.history[0]["deltaH_true"] - r["deltaH_true"]) <= 1e-9 * max(1.0, abs(r["deltaH_true"]))
+
 def test_a_resumed_run_measures_its_own_steps(tiny, tmp_path):
     "Stopped after step 2 (checkpoint), resumed to step 4: the resumed run measures steps 3 and 4 from their θ."
     class Stop(TrainerCallback):
