@@ -40,18 +40,20 @@ pytest: setup
 
 test: export-check nbtest pytest
 
-# The runs of record, committed under runs/ (each command re-runs its report from scratch; ~2.5 h on 2 CPU cores):
+# The runs of record, committed under runs/ (each command re-runs its report; finished calibration jobs are kept; ~7 h
+# of one CPU core, most of it the calibration: 720 Phase-2 runs × ~15 s, 234 Phase-3 seeds × ~50 s):
 # the demo, the Phase-2 decision's calibration, a Phase-1 probe and a small Phase-3 sweep with its summary.
 POOLS := runs/demo/0-projected/pools
 record: setup
 	$(BIN)/entropy-grpo demo --out runs/demo/0-projected
-	$(BIN)/entropy-grpo calibrate --seeds 40 --out runs/calibration -p first_seed=2000 -p record=True
+	$(BIN)/entropy-grpo calibrate --seeds 80 --out runs/calibration -p first_seed=2000 -p record=True
 	$(BIN)/python -c "from entropy_grpo.truth import measure_alignment, measure_truth; \
 	    measure_alignment('runs/calibration', seeds=10, first_seed=2000); \
-	    measure_truth('runs/calibration', ['signal_partial', 'style_hack', 'no_content', 'style_only'], seeds=20, \
-	                  first_seed=2013)"
+	    measure_truth('runs/calibration', ['signal_partial', 'style_hack', 'no_content', 'style_only'], seeds=26, \
+	                  first_seed=2013); \
+	    measure_truth('runs/calibration', ['style_hack_2pools', 'style_only_2pools'], seeds=20, first_seed=2013)"
 	# the report again over everything above (its finished jobs are kept)
-	$(BIN)/entropy-grpo calibrate --seeds 40 --out runs/calibration -p first_seed=2000 -p record=True
+	$(BIN)/entropy-grpo calibrate --seeds 80 --out runs/calibration -p first_seed=2000 -p record=True
 	$(BIN)/python -c "from entropy_grpo.truth import measure_truth; measure_truth('runs/calibration/k8', \
 	    ['signal_partial', 'no_content', 'style_hack', 'style_only'], seeds=8, first_seed=2000, k=8)"
 	$(BIN)/entropy-grpo phase1 --out runs/phase1 -p pool_steps=12 \

@@ -1,15 +1,16 @@
 """Overhead of `trl_callback.GRPOProbe` on a TRL GRPOTrainer step, as a ratio to the plain step in the same process.
 
 Three runs of the same trainer settings (same seed, same data): plain TRL; the probe measuring every step (`every=1`:
-E sampled afresh from the float64 copy at θ, scored at θ and θ⁺, ∇H(E), plus cos_in and entropy_rb); the probe with `every=0` (only what it does on
-every step: cos_in/frac_fired after clipping and entropy_rb from generate's logits). A step is timed from
-`on_step_begin` to the end of `on_step_end` (generation, loss, backward, clipping, the probe, the optimizer step);
-the first step of each run is a warm-up. Printed: the median step time of each run and its ratio to the plain
-step, and the probe's own seconds per measured step (its `seconds` metric). LoRA r 8 on q/k/v/o through TRL's
-`peft_config`; v_hack random in that LoRA space (k 1). Never asserts on time.
+E sampled afresh from the float64 copy at θ, scored at θ and θ⁺, ∇H(E), plus cos_in and entropy_rb); the probe with
+`every=0` (only what it does on every step: cos_in/frac_fired after clipping and entropy_rb from generate's logits).
+A step is timed from `on_step_begin` to the end of `on_step_end` (generation, loss, backward, clipping, the probe, the
+optimizer step); the first step of each run is a warm-up. Training in float32 (`--bf16`: TRL's default autocast).
+Printed: the median step time of each run and its ratio to the plain step, and the probe's own seconds per measured
+step (its `seconds` metric). LoRA r 8 on q/k/v/o through TRL's `peft_config`; v_hack random in that LoRA space (k 1).
+Never asserts on time.
 
     python bench/bench_trl.py [--model default|tiny] [--threads 1] [--steps 6] [--prompts 4] [--G 4]
-                              [--max-new-tokens 32] [--E-prompts 4]
+                              [--max-new-tokens 32] [--E-prompts 4] [--bf16]
 """
 import argparse, os, platform, random, statistics, tempfile, time, warnings
 
@@ -44,7 +45,7 @@ def run(a, prompts, probe):
     args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=a.prompts * a.G, num_generations=a.G,
                       max_completion_length=a.max_new_tokens, max_steps=a.steps, learning_rate=1e-4, temperature=1.0,
                       top_p=0.95, use_cpu=True, report_to="none", logging_steps=1, save_strategy="no", seed=0,
-                      disable_tqdm=True)
+                      disable_tqdm=True, bf16=a.bf16)
     tr = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok,
                      train_dataset=Dataset.from_dict({"prompt": prompts}),
                      peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj",
@@ -69,13 +70,15 @@ def main():
     ap.add_argument("--G", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--E-prompts", type=int, default=4, help="prompts of E (× G completions)")
+    ap.add_argument("--bf16", action="store_true", help="TRL's default bf16 autocast (emulated on CPUs without bf16)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     task = ArithmeticTask()
     prompts = [p.question for p in task.sample(a.prompts * a.steps, random.Random(0))]
     print(f"# {platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}, load "
           f"{os.getloadavg()[0]:.2f}, model {a.model}, LoRA r 8 q/k/v/o, {a.prompts} prompts × G {a.G}, "
-          f"{a.max_new_tokens} tokens, top_p 0.95, |E| {a.E_prompts} × {a.G}, median of {a.steps - 1} steps after "
+          f"{a.max_new_tokens} tokens, top_p 0.95, {'bf16 autocast' if a.bf16 else 'float32'}, |E| {a.E_prompts} × "
+          f"{a.G}, median of {a.steps - 1} steps after "
           "a warm-up")
     plain, _ = run(a, prompts, None)
     every, probe_s = run(a, prompts, 1)
