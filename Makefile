@@ -51,7 +51,8 @@ record: setup
 	    measure_alignment('runs/calibration', seeds=10, first_seed=2000); \
 	    measure_truth('runs/calibration', ['signal_partial', 'style_hack', 'no_content', 'style_only'], seeds=26, \
 	                  first_seed=2013); \
-	    measure_truth('runs/calibration', ['style_hack_2pools', 'style_only_2pools'], seeds=20, first_seed=2013)"
+	    measure_truth('runs/calibration', ['style_hack_2pools', 'style_only_2pools'], seeds=20, first_seed=2013); \
+	    measure_truth('runs/calibration', ['signal_partial'], seeds=1, first_seed=2060)"
 	# the report again over everything above (its finished jobs are kept)
 	$(BIN)/entropy-grpo calibrate --seeds 80 --out runs/calibration -p first_seed=2000 -p record=True
 	$(BIN)/python -c "from entropy_grpo.truth import measure_truth; measure_truth('runs/calibration/k8', \
