@@ -224,7 +224,7 @@ def _flush_rb(self:GRPOProbe, mode:str):
     "The RB entropy per token of every rank's generations since the last flush (one all-reduce), into TRL's metrics."
     if not self.config.rb_entropy: return
     dev = next(self.trainer.model.parameters()).device
-    s = all_reduce_sum([self._rb.pop(mode, torch.zeros(2, dtype=torch.float64)).to(dev)])[0]
+    s = all_reduce_sum([self._rb.pop(mode, torch.zeros(2, dtype=torch.float64, device=dev)).to(dev)])[0]
     if s[1] > 0: self._log(dict(entropy_rb=float(s[0] / s[1])), mode)
 
 @patch
