@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from entropy_grpo.reports import _report_problem, lock_holder, read_metrics, run_status
+from terminal import terminal_popen
 
 CLI = str(Path(sys.executable).parent / "entropy-grpo")
 MODES = ("SIGINT group", "SIGKILL group", "SIGKILL parent")
@@ -20,7 +21,7 @@ MODES = ("SIGINT group", "SIGKILL group", "SIGKILL parent")
 def sweep(out:Path, a) -> subprocess.Popen:
     args = [CLI, "sweep", "--out", str(out), "--seeds", *map(str, a.seeds), "--arms", *a.arms, "--steps", str(a.steps),
             "--max-parallel", str(a.max_parallel), "--force", "-p", "preset='smoke'"]
-    return subprocess.Popen(args, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return terminal_popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def runs(out:Path, a) -> list[Path]:

@@ -7,6 +7,7 @@ import pytest
 
 from entropy_grpo.cli import main
 from entropy_grpo.experiments import repo_root
+from terminal import terminal_popen
 from toy_tasks import labelled_pools
 
 CLI = str(Path(sys.executable).parent / "entropy-grpo")
@@ -82,8 +83,8 @@ def test_ctrl_c_leaves_a_report_that_says_where_it_stopped(labelled, tmp_path, l
     run, before = tmp_path / "0-projected", local_log.read_text() if local_log.exists() else None
     args = [a.replace("steps=2", "steps=40").replace(labelled[0], "pools/teacher").replace(labelled[1], "pools/base")
             for a in tiny_args(labelled)]                                         # time to press Ctrl-C in the arms
-    proc = subprocess.Popen([CLI, "demo", "--out", "0-projected", *args], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    proc = terminal_popen([CLI, "demo", "--out", "0-projected", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
     try:
         read_until(proc, "] The arms on the training loop", 600)
         wait_for_step(run / "vanilla" / "steps.jsonl", proc, 300)   # a state, not a sleep: the first arm is stepping

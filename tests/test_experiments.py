@@ -9,6 +9,7 @@ from entropy_grpo.cli import main
 from entropy_grpo.experiments import (_sweep_spec, check_sweep_spec, hack_rate_separation, make_executor, run_status,
                                       run_sweep)
 from entropy_grpo.reports import dir_lock, read_state
+from terminal import terminal_popen
 
 CLI = str(Path(sys.executable).parent / "entropy-grpo")
 
@@ -150,9 +151,9 @@ def test_a_sweep_with_a_failed_run_exits_non_zero_and_logs_beside_its_directory(
 def sweep_in_background(tmp_path, steps=2):
     "A one-run sweep (CLI) in its own process group; returns (process, run directory) once the run is running."
     out = tmp_path / "p3"
-    proc = subprocess.Popen([CLI, "sweep", "--out", str(out), "--seeds", "0", "--arms", "vanilla", "--steps",
-                             str(steps), "-p", "preset='smoke'"], start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    args = [CLI, "sweep", "--out", str(out), "--seeds", "0", "--arms", "vanilla", "--steps", str(steps), "-p",
+            "preset='smoke'"]
+    proc = terminal_popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while (read_state(out / "0-vanilla") or {}).get("state") != "running":       # a state, not a sleep
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
