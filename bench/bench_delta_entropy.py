@@ -15,7 +15,8 @@ import torch
 
 from entropy_grpo.delta_entropy_is import DeltaEntropyIS
 from entropy_grpo.dr_grpo import group_advantages
-from entropy_grpo.training import TrainConfig, apply_lora, trainable_parameters
+from entropy_grpo.checkpoints import trainable_parameters
+from entropy_grpo.training import TrainConfig, apply_lora
 from entropy_grpo.policies import load_policy
 from entropy_grpo.probes import BatchConfig, ProbeComponents
 from entropy_grpo.sequence_processor import GenerationConfig

@@ -15,6 +15,7 @@ from fastcore.basics import patch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from .checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, trainable_parameters
 from .dist import all_reduce_sum, rank, shard_slice, world_size
 from .report_to import Reporter, report_names
 from .dr_grpo import SCALE_REWARDS, _eps_pair, check_length_norm, group_advantages, policy_gradient_backward
@@ -23,8 +24,7 @@ from .sequence_processor import BatchedSequences, GenerationConfig, LogprobResul
 from .utils import atomic_path, check_choice, check_range, json_default, tqdm_disable, write_json
 
 # %% auto #0
-__all__ = ['SCHEDULERS', 'FLAGS', 'TrainConfig', 'step_problems', 'Rollout', 'GenerationSource', 'apply_lora',
-           'trainable_parameters', 'save_checkpoint', 'load_checkpoint', 'latest_checkpoint', 'StepContext',
+__all__ = ['SCHEDULERS', 'FLAGS', 'TrainConfig', 'step_problems', 'Rollout', 'GenerationSource', 'apply_lora', 'StepContext',
            'TrainResult', 'build_optimizer', 'train']
 
 # %% ../nbs/03a_training.ipynb #4a2286c1
@@ -154,55 +154,6 @@ def apply_lora(model, config:TrainConfig):
 def _cuda(model) -> list:
     d = next(model.parameters()).device
     return [d] if d.type == "cuda" else []
-
-def trainable_parameters(model) -> dict[str, Tensor]:
-    "{name: parameter} of every parameter that requires grad, in model order."
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-# %% ../nbs/03a_training.ipynb #a7c01fa8
-def save_checkpoint(
-    path:str|Path,       # the checkpoint folder to write (replaced if it exists)
-    model, optimizer, scheduler,
-    step:int,            # steps completed
-    config:TrainConfig,
-)->Path:
-    "Trainable weights, optimizer + scheduler state and the run state, written atomically."
-    from safetensors.torch import save_file
-    with atomic_path(path, is_dir=True) as tmp:
-        save_file({n: p.detach().cpu().contiguous() for n, p in trainable_parameters(model).items()},
-                  tmp/"trainable.safetensors")
-        torch.save(dict(optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict()), tmp/"optimizer.pt")
-        (tmp/"state.json").write_text(json.dumps(dict(step=step, world_size=world_size(), config=config.to_dict()),
-                                                 indent=1))
-    return Path(path)
-
-def load_checkpoint(
-    path:str|Path,
-    model,               # wrapped like the saved one (same trainable parameter names)
-    optimizer=None, scheduler=None,  # restored too when given
-)->dict:                 # the saved state.json: step, world_size, config
-    "Copy a checkpoint's trainable weights into `model` (and its optimizer/scheduler state); return its state."
-    from safetensors.torch import load_file
-    path = Path(path)
-    if not (path/"state.json").exists(): raise FileNotFoundError(f"{path} is not a checkpoint (no state.json)")
-    saved, params = load_file(path/"trainable.safetensors"), trainable_parameters(model)
-    if set(saved) != set(params):
-        diff = sorted(set(saved) ^ set(params))
-        raise ValueError(f"{path}: trainable parameters differ from the model's ({len(diff)} names, e.g. {diff[:3]}); "
-                         "wrap the model as it was when the checkpoint was written (same lora_r / target modules)")
-    with torch.no_grad():
-        for n, p in params.items(): p.copy_(saved[n])
-    if optimizer is not None or scheduler is not None:
-        st = torch.load(path/"optimizer.pt", map_location=next(model.parameters()).device, weights_only=True)  # no code
-        if optimizer is not None: optimizer.load_state_dict(st["optimizer"])
-        if scheduler is not None: scheduler.load_state_dict(st["scheduler"])
-    return json.loads((path/"state.json").read_text())
-
-# %% ../nbs/03a_training.ipynb #732f3a13
-def latest_checkpoint(out_dir:str|Path) -> Path|None:
-    "The newest complete checkpoint under out_dir/checkpoints, or None."
-    done = sorted(p for p in (Path(out_dir)/"checkpoints").glob("step_*") if (p/"state.json").exists())
-    return done[-1] if done else None
 
 # %% ../nbs/03a_training.ipynb #7ddc2bf8
 FLAGS = {"hacked": "hack_rate", "gt_pass": "gt_pass_rate", "fmt_ok": "fmt_ok_rate"}  # record key -> log key

@@ -16,7 +16,7 @@ from entropy_grpo.policies import tiny_policy
 from entropy_grpo.pools import build_pool, mixed_records, replay_batch
 from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor
 from entropy_grpo.tasks import ArithmeticTask
-from entropy_grpo.training import trainable_parameters
+from entropy_grpo.checkpoints import trainable_parameters
 from toy_tasks import POOL_GEN
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "entropy_grpo"
-LAYERS = [("utils", "dist", "kept_sets", "report_to"), ("policies", "tasks", "rb_entropy", "adapters"),
+LAYERS = [("utils", "dist", "kept_sets", "report_to"), ("policies", "tasks", "rb_entropy", "adapters", "checkpoints"),
           ("sequence_processor",), ("dr_grpo", "probe_state"), ("training", "delta_entropy_is", "projection_arms"),
           ("probes", "pools", "on_policy"),
           ("contributions", "decision", "trl_callback", "teachers"),

@@ -8,7 +8,8 @@ import torch
 from entropy_grpo.dr_grpo import policy_gradient_backward
 from entropy_grpo.policies import tiny_policy
 from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor
-from entropy_grpo.training import TrainConfig, latest_checkpoint, train
+from entropy_grpo.checkpoints import latest_checkpoint
+from entropy_grpo.training import TrainConfig, train
 from gloo import gloo_group, spawn_two
 from toy_tasks import DigitTask
 
@@ -51,6 +52,27 @@ def test_resume_is_bitwise_the_uninterrupted_run(tiny, tmp_path):
               resume_from=part / "checkpoints" / "step_000002", progress=False)
     with pytest.raises(ValueError, match="log.jsonl exists"):
         train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=part, progress=False)
+
+
+@pytest.mark.parametrize("lora_r", [8, None])
+def test_a_checkpoint_loads_with_peft_or_transformers_and_resumes(tiny, tmp_path, lora_r):
+    "A LoRA run's checkpoint is a peft adapter folder, a full fine-tune's a transformers model folder: each loads"
+    " with the user's own call to the trained model's logits; the run resumes from it to the uninterrupted weights."
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    cfg = _cfg(steps=3, checkpoint_every=2, lora_r=lora_r, lr=1e-2 if lora_r else 1e-3)
+    a = train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=tmp_path / "a", progress=False)
+    ckpt = latest_checkpoint(tmp_path / "a")
+    base = copy.deepcopy(tiny[0])
+    loaded = PeftModel.from_pretrained(base, ckpt) if lora_r else AutoModelForCausalLM.from_pretrained(ckpt)
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with torch.no_grad(): assert torch.equal(loaded(ids).logits, a.model(ids).logits)
+    assert json.loads((ckpt / "state.json").read_text())["layout"] == ("peft" if lora_r else "transformers")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_000003")
+    b = train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=tmp_path / "b", resume_from="latest", progress=False)
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
 
 
 def test_a_run_killed_anywhere_resumes_with_each_step_logged_once(tiny, tmp_path):
@@ -163,7 +185,7 @@ class _Payload:
 
 def test_a_checkpoint_cannot_execute_code_when_loaded(tiny, tmp_path):
     "optimizer.pt is read with weights_only=True: a pickle that runs code is refused before anything runs."
-    from entropy_grpo.training import load_checkpoint
+    from entropy_grpo.checkpoints import load_checkpoint
     model, tok = copy.deepcopy(tiny)
     res = train(model, tok, DigitTask(), _cfg(steps=1, checkpoint_every=1), out_dir=tmp_path)
     ckpt, model, opt = latest_checkpoint(tmp_path), res.model, res.optimizer
