@@ -76,9 +76,9 @@ def main():
         model = copy.deepcopy(policy)
         adapter = add_delta_s(model)
         sp, E, U = batches(model, tok, top_p, a)
-        cfg = TrainConfig(lr=max(a.lrs), num_generations=a.G, prompts_per_step=a.B_U)
+        cfg = TrainConfig(learning_rate=max(a.lrs), num_generations=a.G, prompts_per_step=a.B_U)
         for dt in a.dtypes:
-            opt = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+            opt = torch.optim.AdamW(adapter.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                     eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
             t = time.perf_counter()
             p = run_mixed_probe(sp, E, U, opt, lrs=a.lrs, train_config=cfg, dtype=dt, plot=False,

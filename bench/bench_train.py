@@ -30,7 +30,7 @@ def main():
     torch.set_num_threads(a.threads)
     model, tok = load_policy(None)
     gen = GenerationConfig(max_new_tokens=a.max_new_tokens, num_generations=a.G)
-    cfg = TrainConfig(steps=a.steps + 1, prompts_per_step=a.prompts, lora_r=a.lora_r, generation=gen, seed=0)
+    cfg = TrainConfig(max_steps=a.steps + 1, prompts_per_step=a.prompts, lora_r=a.lora_r, generation=gen, seed=0)
     recs = train(model, tok, ArithmeticTask(), cfg, progress=False).records[1:]
     med = {k: statistics.median(r[f"time_{k}"] for r in recs) for k in PHASES + ("step",)}
     tokens = statistics.median(r["n_tokens"] for r in recs)

@@ -75,7 +75,7 @@ def training(name, run, dev, tok):
                            tf_batch_size=run.tf_batch_size, head_chunk_size=run.head_chunk_size)
     B = max(1, run.tf_batch_size // run.G)                         # one microbatch: the plan's peak
     seqs = random_batch(B, run.G, run.prompt_len, run.max_new_tokens, m.config.vocab_size, dev, 1)
-    opt = build_optimizer(la.parameters(), TrainConfig(lr=1e-5))
+    opt = build_optimizer(la.parameters(), TrainConfig(learning_rate=1e-5))
     def step():
         policy_gradient_backward(SequenceProcessor(m, tok, gen, progress=False), seqs,
                                  torch.randn(B, run.G, device=dev))
@@ -96,7 +96,7 @@ def probe(name, run, dev, tok):
     U_seqs = random_batch(c.B_U, c.G, P, N, V, dev, 3)
     r = torch.rand(c.B_U, c.G, generator=torch.Generator().manual_seed(4)).round().to(dev)
     U = make_probe_batch(U_seqs, r, group_advantages(r), max_new_tokens=N)
-    tc = TrainConfig(prompts_per_step=c.B_U, num_generations=c.G, lr=1e-4, generation=gen)
+    tc = TrainConfig(prompts_per_step=c.B_U, num_generations=c.G, learning_rate=1e-4, generation=gen)
     opt = build_optimizer(ad.parameters(), tc)
     res, gb, s = peak(lambda: run_mixed_probe(sp, E, U, opt, lrs=[1e-4], plot=False, train_config=tc, floor_draws=1,
                                               max_extra_lrs=0), dev)

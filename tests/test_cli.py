@@ -8,17 +8,9 @@ import pytest
 from entropy_grpo.cli import main
 from entropy_grpo.experiments import repo_root
 from terminal import terminal_popen
-from toy_tasks import labelled_pools
+from toy_tasks import labelled_pools, tiny_args
 
 CLI = str(Path(sys.executable).parent / "entropy-grpo")
-
-
-def tiny_args(labelled):
-    "The demo on the tiny policy with the labelled test pools (the tiny policy cannot learn to hack in seconds)."
-    params = dict(model="tiny", teacher_pool=labelled[0], base_pool=labelled[1], pool_steps=3, fit_steps=1,
-                  pool_batch=4, G=4, steps=2, max_new_tokens=6, top_p=1.0, lrs=[1e-3, 1e-4], E_total_sequences=8, B_U=2,
-                  max_pairs=8, n_controls=3)
-    return [a for k, v in params.items() for a in ("-p", f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}")]
 
 
 def git_status(root):

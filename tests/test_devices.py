@@ -130,7 +130,7 @@ def test_bf16_training_step_with_checkpointing_on_a_gpu(tiny):
     from entropy_grpo.training import TrainConfig, train
     from toy_tasks import DigitTask
     model, tok = copy.deepcopy(tiny)
-    cfg = TrainConfig(steps=1, prompts_per_step=2, num_generations=4, lora_r=4, gradient_checkpointing=True,
+    cfg = TrainConfig(max_steps=1, prompts_per_step=2, num_generations=4, lora_r=4, gradient_checkpointing=True,
                       generation=GenerationConfig(max_new_tokens=8))
     res = train(model.to("cuda", torch.bfloat16), tok, DigitTask(16), cfg, progress=False)
     assert res.records[0]["grad_norm"] > 0

@@ -29,7 +29,7 @@ def batches(pc):
 
 def train_optimizer(params, cfg=TrainConfig()):
     "The AdamW `train` builds for `cfg`."
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+    return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
                              weight_decay=cfg.weight_decay)
 
 
@@ -96,7 +96,7 @@ class ProbeAtStep:
 
 def test_probe_delta_theta_is_a_clipped_train_step():
     model, tok = tiny_policy(0, dtype=torch.float64)
-    cfg = TrainConfig(steps=2, prompts_per_step=2, num_generations=4, lr=1e-3, max_grad_norm=1e-3,
+    cfg = TrainConfig(max_steps=2, prompts_per_step=2, num_generations=4, learning_rate=1e-3, max_grad_norm=1e-3,
                       generation=GenerationConfig(temperature=1.0, top_p=0.95, max_new_tokens=8))
     probe = ProbeAtStep(1)                                           # step 1: Adam's state is not empty
     res = train(model, tok, config=cfg, callbacks=[probe], source=StandInSource(ArithmeticTask(n=20)))

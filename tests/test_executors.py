@@ -1,6 +1,7 @@
 """Sweeps give each job a GPU: locally one job per visible GPU at a time (submitit's LocalExecutor alone hands a job
 CUDA_VISIBLE_DEVICES='' or, with gpus_per_node=1, always GPU 0); on Slurm the settings the user gives (GPUs, time,
-partition, memory, CPUs, extra #SBATCH options) from Python and the command line, shown by --dry-run."""
+partition, memory, CPUs, extra #SBATCH options) from Python and the command line, one task per job on its one GPU,
+shown by --dry-run with the sbatch script; a job interrupted as Slurm interrupts it (USR2) is re-queued and resumes."""
 import os
 
 import pytest
@@ -24,10 +25,12 @@ def test_local_without_a_gpu_and_parameters(monkeypatch):
     assert executor_parameters("local")["visible_gpus"] == [2, 3]
 
 
-def test_slurm_defaults_are_one_gpu_and_the_sweeps_time_not_submitits_five_minutes():
-    assert executor_parameters("slurm") == dict(timeout_min=24 * 60, gpus_per_node=1)
-    mine = dict(gpus_per_node=2, slurm_partition="gpu", timeout_min=90, slurm_additional_parameters={"account": "rl"})
-    assert executor_parameters("slurm", mine, timeout_min=5) == mine
+def test_slurm_defaults_are_one_task_on_one_gpu_and_the_sweeps_time_not_submitits_five_minutes():
+    assert executor_parameters("slurm") == dict(timeout_min=24 * 60, gpus_per_node=1, tasks_per_node=1)
+    mine = dict(slurm_partition="gpu", timeout_min=90, slurm_additional_parameters={"account": "rl"})
+    assert executor_parameters("slurm", mine, timeout_min=5) == dict(gpus_per_node=1, tasks_per_node=1) | mine
+    with pytest.raises(ValueError, match="--gpus 2: a run's kernel drives one GPU"):
+        executor_parameters("slurm", dict(gpus_per_node=2))
 
 
 def test_slurm_executor_takes_the_settings(tmp_path, monkeypatch):
@@ -45,16 +48,48 @@ def test_slurm_times_in_minutes():
         [30, 31, 720, 2880, 1590, 1441]
 
 
-def test_cli_dry_run_shows_gpu_time_partition_and_extra_options(tmp_path, capsys, monkeypatch):
+def test_cli_dry_run_shows_the_sbatch_script_with_requeue_and_one_task_per_gpu(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["sweep", "--exp", "p3", "--seeds", "0", "--arms", "vanilla", "--steps", "2", "--dry-run", "-p",
             "preset='smoke'", "--executor", "slurm"]
-    assert main(args + ["--gpus", "2", "--time", "12:00:00", "--partition", "gpu", "--mem", "64", "--cpus", "8",
+    assert main(args + ["--time", "12:00:00", "--partition", "gpu", "--mem", "64", "--cpus", "8",
                         "--sbatch", "account=rl", "--sbatch", "qos=high"]) == 0
     out = capsys.readouterr().out
-    assert ("executor slurm, per job: {'timeout_min': 720, 'gpus_per_node': 2, 'slurm_partition': 'gpu', 'mem_gb': 64, "
-            "'cpus_per_task': 8, 'slurm_additional_parameters': {'account': 'rl', 'qos': 'high'}}") in out
+    assert ("executor slurm, per job: {'timeout_min': 720, 'gpus_per_node': 1, 'tasks_per_node': 1, "
+            "'slurm_partition': 'gpu', 'mem_gb': 64, 'cpus_per_task': 8, 'slurm_additional_parameters': "
+            "{'account': 'rl', 'qos': 'high'}}") in out
+    sbatch = {l for l in out.splitlines() if l.startswith("#SBATCH ")}
+    assert {f"#SBATCH --{o}" for o in ("time=720", "gpus-per-node=1", "ntasks-per-node=1", "partition=gpu", "mem=64GB",
+                                       "cpus-per-task=8", "account=rl", "qos=high", "signal=USR2@90")} <= sbatch, sbatch
+    assert "export SUBMITIT_EXECUTOR=slurm" in out and "requeue: on Slurm's time limit or a preemption" in out
     assert main(args) == 0
-    assert "executor slurm, per job: {'timeout_min': 1440, 'gpus_per_node': 1}" in capsys.readouterr().out
+    assert "executor slurm, per job: {'timeout_min': 1440, 'gpus_per_node': 1, 'tasks_per_node': 1}" in \
+        capsys.readouterr().out
+    assert main(args + ["--gpus", "2"]) == 2
+    assert "--gpus 2: a run's kernel drives one GPU" in capsys.readouterr().err
     with pytest.raises(SystemExit): main(args + ["--time", "soon"])
     assert "--time: invalid _minutes value: 'soon'" in capsys.readouterr().err
+
+
+def test_a_job_signalled_as_slurm_does_is_requeued_and_its_run_resumes(tmp_path, monkeypatch):
+    "USR2 to a running sweep job (what submitit has Slurm send before the time limit, and at a preemption): submitit"
+    " calls the job's checkpoint and re-queues the same call (the local executor restarts it); the run resumes in its"
+    " directory from its newest checkpoint, ends ok, and logs every step once."
+    import json, signal, time
+    from entropy_grpo.checkpoints import latest_checkpoint
+    from entropy_grpo.experiments import _Job
+    from entropy_grpo.reports import read_state
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    run, steps = tmp_path / "p3" / "0-vanilla", 12                         # checkpoints after steps 3, 6, 9, 12
+    job = make_executor("local", tmp_path / "_submitit", timeout_min=30).submit(
+        _Job(), "train", run, dict(preset="smoke", seed=0, arm="vanilla", steps=steps), "p3", tmp_path / "LOG.md")
+    deadline = time.time() + 300
+    while latest_checkpoint(run) is None:                                  # a state, not a sleep
+        assert not job.done() and time.time() < deadline, job.stderr()
+        time.sleep(0.05)
+    os.kill(read_state(run)["pid"], signal.SIGUSR2)                        # to the task, as srun forwards it
+    assert job.result()["status"] == "ok", job.stderr()
+    assert read_state(run)["mode"] == "resume" and "Requeued" in (job.stderr() or "") + (job.stdout() or "")
+    [log] = run.rglob("log.jsonl")
+    assert [json.loads(l)["step"] for l in log.read_text().splitlines()] == list(range(steps))
+    assert "| p3 | 0-vanilla | ok |" in (tmp_path / "LOG.md").read_text()

@@ -64,7 +64,7 @@ def run_arms(planted, vh, arms=("vanilla", "projected"), steps=10, overshoot=1.0
     for arm in arms:
         model, tok = tiny_policy(0)
         rec = Phase2Recorder(ProjectionArm(arm, add_delta_s(model), vh, gate, overshoot), planted["controls"])
-        train(model, tok, config=TrainConfig(steps=steps, prompts_per_step=1, num_generations=8, lr=1e-4,
+        train(model, tok, config=TrainConfig(max_steps=steps, prompts_per_step=1, num_generations=8, learning_rate=1e-4,
                                              generation=GEN),
               source=ReplaySource(planted["pools"], replay or list(range(3, 14)), 4), callbacks=[rec])
         out[arm] = dict(steps=rec.steps, slim=rec.slim)
@@ -109,7 +109,8 @@ def test_never_firing_gate_is_bitwise_vanilla(planted):
         model, tok = tiny_policy(0)
         ad = add_delta_s(model)
         rec = Phase2Recorder(ProjectionArm(arm, ad, vh), [])
-        train(model, tok, config=TrainConfig(steps=3, prompts_per_step=1, num_generations=8, lr=1e-3, generation=GEN),
+        train(model, tok, config=TrainConfig(max_steps=3, prompts_per_step=1, num_generations=8, learning_rate=1e-3,
+                                             generation=GEN),
               source=ReplaySource(planted["pools"], [3, 4, 5], 4), callbacks=([Grab(ad)] if grab else []) + [rec])
         return ad, rec
     ad, _ = run("vanilla", planted["fit"]("pairs", 99), grab=True)

@@ -188,7 +188,7 @@ def test_replay_never_repeats_a_sample(pools, tiny):
     test_fail(lambda: src.groups(2, 1), contains="3 training steps of 1 group(s) replay 3 pool step files",
               exc=ValueError)
     model, tok = copy.deepcopy(tiny)
-    test_fail(lambda: train(model, tok, config=TrainConfig(steps=3, prompts_per_step=1, num_generations=3,
+    test_fail(lambda: train(model, tok, config=TrainConfig(max_steps=3, prompts_per_step=1, num_generations=3,
                                                            generation=POOL_GEN), source=src),
               contains="expected at least 3; a replayed sample is never replayed again", exc=ValueError)
     test_fail(lambda: mixed_records(list(pools), 0, [2]), contains="expected one count or 2 counts", exc=ValueError)

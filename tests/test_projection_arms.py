@@ -278,8 +278,8 @@ def _train_arm(policy, arm_name, v_seed=None, steps=4):
         vh = (extract_v_hack(sp_for(model, tok), ds, pairs, k=2) if v_seed is None
               else random_v_hack(ds, k=2, seed=v_seed))
         cbs = [ProjectionArm(arm_name, ds, vh)]
-    cfg = TrainConfig(steps=steps, prompts_per_step=2, num_generations=4, lr=1e-2, arm=arm_name or "vanilla",
-                      generation=GenerationConfig(max_new_tokens=8))
+    cfg = TrainConfig(max_steps=steps, prompts_per_step=2, num_generations=4, learning_rate=1e-2,
+                      arm=arm_name or "vanilla", generation=GenerationConfig(max_new_tokens=8))
     res = train(model, tok, DigitTask(16), cfg, callbacks=cbs, progress=False)
     return res, [p.detach().clone() for p in ds.parameters()]
 

@@ -15,7 +15,7 @@ from toy_tasks import DigitTask
 
 
 def _cfg(**kw):
-    base = dict(steps=30, prompts_per_step=4, num_generations=8, lora_r=8, lr=1e-2,
+    base = dict(max_steps=30, prompts_per_step=4, num_generations=8, lora_r=8, learning_rate=1e-2,
                 generation=GenerationConfig(max_new_tokens=8))
     return TrainConfig(**(base | kw))
 
@@ -35,7 +35,7 @@ def test_lora_training_raises_reward(fresh_tiny):
 
 def test_resume_is_bitwise_the_uninterrupted_run(tiny, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    cfg = _cfg(steps=4, checkpoint_every=2)
+    cfg = _cfg(max_steps=4, save_steps=2)
     a = train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=full, progress=False)
     shutil.copytree(full, part)
     shutil.rmtree(part / "checkpoints" / "step_000004")
@@ -47,8 +47,8 @@ def test_resume_is_bitwise_the_uninterrupted_run(tiny, tmp_path):
     strip = lambda rec: {k: v for k, v in rec.items() if not k.startswith("time_")}
     logs = [[strip(json.loads(l)) for l in (d / "log.jsonl").read_text().splitlines()] for d in (full, part)]
     assert logs[0] == logs[1] and [r["step"] for r in logs[1]] == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="lr=0.01 \\(now 0.02\\)"):
-        train(*copy.deepcopy(tiny), DigitTask(64), _cfg(steps=4, checkpoint_every=2, lr=2e-2), out_dir=part,
+    with pytest.raises(ValueError, match="learning_rate=0.01 \\(now 0.02\\)"):
+        train(*copy.deepcopy(tiny), DigitTask(64), _cfg(max_steps=4, save_steps=2, learning_rate=2e-2), out_dir=part,
               resume_from=part / "checkpoints" / "step_000002", progress=False)
     with pytest.raises(ValueError, match="log.jsonl exists"):
         train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=part, progress=False)
@@ -60,7 +60,7 @@ def test_a_checkpoint_loads_with_peft_or_transformers_and_resumes(tiny, tmp_path
     " with the user's own call to the trained model's logits; the run resumes from it to the uninterrupted weights."
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    cfg = _cfg(steps=3, checkpoint_every=2, lora_r=lora_r, lr=1e-2 if lora_r else 1e-3)
+    cfg = _cfg(max_steps=3, save_steps=2, lora_r=lora_r, learning_rate=1e-2 if lora_r else 1e-3)
     a = train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=tmp_path / "a", progress=False)
     ckpt = latest_checkpoint(tmp_path / "a")
     base = copy.deepcopy(tiny[0])
@@ -79,7 +79,7 @@ def test_a_run_killed_anywhere_resumes_with_each_step_logged_once(tiny, tmp_path
     "Killed after its last checkpoint: nothing left to run. Killed between a step's log line and its checkpoint (or"
     " before the first one): that step is redone once, not appended twice."
     full = tmp_path / "full"
-    cfg = _cfg(steps=4, checkpoint_every=2)
+    cfg = _cfg(max_steps=4, save_steps=2)
     train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=full, progress=False)
     strip = lambda d: [{k: v for k, v in json.loads(l).items() if not k.startswith("time_")}
                        for l in (d / "log.jsonl").read_text().splitlines()]
@@ -107,7 +107,7 @@ def test_bad_config_and_non_finite_rewards(fresh_tiny):
     model, tok = fresh_tiny
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(FloatingPointError, match="step 0: the rewards contain NaN"):
-        train(model, tok, NaNTask(8), _cfg(steps=1, lora_r=None), progress=False)
+        train(model, tok, NaNTask(8), _cfg(max_steps=1, lora_r=None), progress=False)
     assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
 
 
@@ -126,7 +126,7 @@ class _Keep:
 def _worker(rank, world, port, out_dir):
     with gloo_group(rank, world, port):
         model, tok = tiny_policy(0, dtype=torch.float64)
-        res = train(model, tok, DigitTask(64), _cfg(steps=2, lora_r=None, lr=1e-3), progress=False,
+        res = train(model, tok, DigitTask(64), _cfg(max_steps=2, lora_r=None, learning_rate=1e-3), progress=False,
                     callbacks=[_Keep(os.path.join(out_dir, f"step0_rank{rank}.pt"))])
         torch.save(dict(params=dict(res.model.named_parameters()), records=res.records),
                    os.path.join(out_dir, f"final_rank{rank}.pt"))
@@ -160,7 +160,8 @@ def test_report_to_tensorboard_gets_every_records_numbers(fresh_tiny, tmp_path):
     pytest.importorskip("tensorboard")
     from fastcore.test import test_fail
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    res = train(*fresh_tiny, DigitTask(64), _cfg(steps=2, report_to="tensorboard"), out_dir=tmp_path, progress=False)
+    res = train(*fresh_tiny, DigitTask(64), _cfg(max_steps=2, report_to="tensorboard"), out_dir=tmp_path,
+                progress=False)
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1
     acc = EventAccumulator(str(runs[0])).Reload()
@@ -169,7 +170,7 @@ def test_report_to_tensorboard_gets_every_records_numbers(fresh_tiny, tmp_path):
         assert got == [(r["step"] + 1, pytest.approx(r[key], rel=1e-6)) for r in res.records], key
     assert "train/arm" not in acc.Tags()["scalars"]
     test_fail(lambda: TrainConfig(report_to=["tensorboard", 3]), contains="report_to=['tensorboard', 3]")
-    test_fail(lambda: train(*fresh_tiny, DigitTask(64), _cfg(steps=1, report_to="tensorboard"), progress=False),
+    test_fail(lambda: train(*fresh_tiny, DigitTask(64), _cfg(max_steps=1, report_to="tensorboard"), progress=False),
               contains="needs an out_dir")
 
 
@@ -187,7 +188,7 @@ def test_a_checkpoint_cannot_execute_code_when_loaded(tiny, tmp_path):
     "optimizer.pt is read with weights_only=True: a pickle that runs code is refused before anything runs."
     from entropy_grpo.checkpoints import load_checkpoint
     model, tok = copy.deepcopy(tiny)
-    res = train(model, tok, DigitTask(), _cfg(steps=1, checkpoint_every=1), out_dir=tmp_path)
+    res = train(model, tok, DigitTask(), _cfg(max_steps=1, save_steps=1), out_dir=tmp_path)
     ckpt, model, opt = latest_checkpoint(tmp_path), res.model, res.optimizer
     load_checkpoint(ckpt, model, opt)                                   # a checkpoint of our own loads
     torch.save(dict(optimizer=_Payload(), scheduler={}), ckpt/"optimizer.pt")

@@ -14,7 +14,7 @@ from toy_tasks import DigitTask
 
 
 def _cfg(**kw):
-    return TrainConfig(**(dict(steps=2, prompts_per_step=2, num_generations=4, lora_r=4, lr=1e-2,
+    return TrainConfig(**(dict(max_steps=2, prompts_per_step=2, num_generations=4, lora_r=4, learning_rate=1e-2,
                                generation=GenerationConfig(max_new_tokens=8)) | kw))
 
 
@@ -41,6 +41,6 @@ def test_beta_reference_is_the_zeroed_adapter_not_a_copy(fresh_tiny, monkeypatch
         if isinstance(x, torch.nn.Module): raise AssertionError("the reference policy was deep-copied")
         return deepcopy(x, *a)
     monkeypatch.setattr(training.copy, "deepcopy", no_model_copy)
-    res = train(model, tok, DigitTask(64), _cfg(lora_r=None, beta=0.1, lr=1e-3), progress=False,
+    res = train(model, tok, DigitTask(64), _cfg(lora_r=None, beta=0.1, learning_rate=1e-3), progress=False,
                 reference=la.zeroed)
     assert res.records[0]["kl"] == 0.0 and res.records[1]["kl"] > 0

@@ -210,6 +210,16 @@ def test_bad_input_is_named(tiny, tmp_path):
     test_fail(lambda: sampling_config(rp), contains="repetition_penalty")
 
 
+def test_the_probe_answers_every_trainer_event_and_no_misspelt_one(tiny, tmp_path):
+    "Every event of transformers' TrainerCallback is a method of GRPOProbe; a name that is not one is an error."
+    from entropy_grpo.trl_callback import TRAINER_EVENTS
+    events = {e for e in dir(TrainerCallback) if e.startswith("on_")}
+    assert events == set(TRAINER_EVENTS), events ^ set(TRAINER_EVENTS)
+    probe = GRPOProbe(grpo_trainer(tiny, tmp_path), dict(every=0))
+    assert all(callable(getattr(probe, e)) for e in events)
+    with pytest.raises(AttributeError): probe.on_step_ned
+
+
 def test_sampling_settings_are_mirrored_or_refused_by_name(tiny, tmp_path):
     "generation_kwargs override TRL's knobs as TRL applies them; a setting that changes the distribution is refused."
     g = sampling_config(grpo_trainer(tiny, tmp_path, generation_kwargs=dict(top_p=0.8, top_k=20, max_new_tokens=5,

@@ -47,3 +47,11 @@ def labelled_pools(root, steps=3, batch=4, seed=0, max_new_tokens=6, style=False
                 for r in recs: out.write(json.dumps(dict(r, hacked=name == "teacher", reward=reward)) + "\n")
         dirs.append(str(d))
     return dirs
+
+
+def tiny_args(labelled):
+    "The demo on the tiny policy with the labelled test pools (the tiny policy cannot learn to hack in seconds)."
+    params = dict(model="tiny", teacher_pool=labelled[0], base_pool=labelled[1], pool_steps=3, fit_steps=1,
+                  pool_batch=4, G=4, steps=2, max_new_tokens=6, top_p=1.0, lrs=[1e-3, 1e-4], E_total_sequences=8, B_U=2,
+                  max_pairs=8, n_controls=3)
+    return [a for k, v in params.items() for a in ("-p", f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}")]
