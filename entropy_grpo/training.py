@@ -46,19 +46,19 @@ class TrainConfig:
     epsilon:float=0.2                # PPO clipping ε (the low side)
     epsilon_high:float|None=None     # the high side (DAPO's clip-higher); None = epsilon
     length_norm:str="max_len"        # "max_len" (Dr.GRPO: G·L_max) | "realized" | "sample"
-    scale_rewards:str|bool="none"    # "none" / False (Dr.GRPO) | "group" / True | "batch" (global batch std)
+    scale_rewards:str="none"         # "none" (Dr.GRPO; or False) | "group" (or True) | "batch" (global batch std)
     num_iterations:int=1             # μ: optimizer steps per batch; 1 -> ratio ≡ 1 (old log q not needed)
     prompts_per_microbatch:int|None=None  # prompts per backward microbatch; None -> tf_batch_size // G
-    gradient_checkpointing:bool|str|None=None  # recompute layers in backward; None/"auto": on above CHECKPOINT_ABOVE
+    gradient_checkpointing:bool|None=None  # recompute layers in backward; None (or "auto"): on above CHECKPOINT_ABOVE
     hint:bool|str=False              # prompts carry the task's lenient-grader hint (or this text)
     lora_r:int|None=None             # LoRA rank; None = full fine-tuning of every parameter that requires grad
     lora_alpha:float=32.0            # LoRA scale = lora_alpha / lora_r
     lora_dropout:float=0.0           # > 0 makes the gradient pass differ from the scoring passes
-    lora_target_modules:str|list="all-linear"  # peft `target_modules`
+    lora_target_modules:list[str]|str="all-linear"  # peft `target_modules`
     save_steps:int=0                 # checkpoint every k steps and after the last; 0: after the last (needs out_dir)
     seed:int=0                       # prompt order, LoRA init, per-(step, rank) sampling seed
     arm:str="vanilla"                # name written into every log record (projection arms: "projected", …)
-    report_to:str|list="none"        # also send each record there, as transformers does: "tensorboard", "wandb", "all"
+    report_to:list[str]|str="none"   # also send each record there, as transformers does: "tensorboard", "wandb", "all"
     generation:GenerationConfig=field(default_factory=GenerationConfig)  # sampling knobs (a dict is converted)
 
     def __post_init__(self):
@@ -69,7 +69,7 @@ class TrainConfig:
         check_range("num_generations", self.num_generations, 1, integer=True)
         self.generation = replace(self.generation, num_generations=self.num_generations)
         if self.learning_rate is None: self.learning_rate = 7e-5 if self.lora_r is not None else 1e-5
-        if isinstance(self.scale_rewards, bool): self.scale_rewards = "group" if self.scale_rewards else "none"
+        self._from_command_line()
         self.length_norm = check_length_norm(self.length_norm)
         self._check()
 
@@ -83,6 +83,18 @@ class TrainConfig:
         return (self.epsilon, self.epsilon if self.epsilon_high is None else self.epsilon_high)
 
 # %% ../nbs/03a_training.ipynb #7af9c2b3
+@patch
+def _from_command_line(self:TrainConfig):
+    "TRL's booleans and what `HfArgumentParser` hands over (a list for a list field, None for one not given) in the"
+    " values the rest of the package reads."
+    flags = {True: "group", False: "none", "true": "group", "false": "none", "True": "group", "False": "none"}
+    self.scale_rewards = flags.get(self.scale_rewards, self.scale_rewards)
+    if self.gradient_checkpointing == "auto": self.gradient_checkpointing = None
+    if self.lora_target_modules in (None, ["all-linear"]): self.lora_target_modules = "all-linear"
+    if self.report_to is None: self.report_to = "none"
+    if isinstance(self.report_to, list) and len(self.report_to) == 1: self.report_to = self.report_to[0]
+
+# %% ../nbs/03a_training.ipynb #831bdfd1
 @patch
 def _check(self:TrainConfig):
     "Every field in range and every choice known (`__post_init__` calls it)."
@@ -100,7 +112,7 @@ def _check(self:TrainConfig):
     report_names(self.report_to)
     check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
     check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
-    check_choice("gradient_checkpointing", self.gradient_checkpointing, (None, "auto", True, False))
+    check_choice("gradient_checkpointing", self.gradient_checkpointing, (None, True, False))
     if not isinstance(self.arm, str) or not self.arm:
         raise ValueError(f"arm={self.arm!r}: expected a non-empty name")
 
