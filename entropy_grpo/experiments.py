@@ -242,6 +242,7 @@ def _run_jobs(ex, calls:list, result:dict) -> bool:
         return False
     finally: result["ran"] += got
 
+# %% ../nbs/07_experiments.ipynb #60b87d5e
 REQUEUE = ("requeue: on Slurm's time limit or a preemption (USR2, 90 s before) submitit calls the job's checkpoint and"
            " re-queues it (time limits: up to 3 times); the run resumes in its directory from its newest checkpoint")
 

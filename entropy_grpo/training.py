@@ -69,7 +69,11 @@ class TrainConfig:
         check_range("num_generations", self.num_generations, 1, integer=True)
         self.generation = replace(self.generation, num_generations=self.num_generations)
         if self.learning_rate is None: self.learning_rate = 7e-5 if self.lora_r is not None else 1e-5
-        self._from_command_line()
+        flags = {True: "group", False: "none", "true": "group", "false": "none"}   # TRL's booleans, from Python or a
+        self.scale_rewards = flags.get(self.scale_rewards, self.scale_rewards)     # command line (HfArgumentParser:
+        if self.gradient_checkpointing == "auto": self.gradient_checkpointing = None   # a list for a list field,
+        if self.lora_target_modules in (None, ["all-linear"]): self.lora_target_modules = "all-linear"   # None for
+        if self.report_to in (None, []): self.report_to = "none"                   # a field not given)
         self.length_norm = check_length_norm(self.length_norm)
         self._check()
 
@@ -81,18 +85,6 @@ class TrainConfig:
     def clip_range(self) -> tuple:
         "(ε_low, ε_high), as the loss takes it."
         return (self.epsilon, self.epsilon if self.epsilon_high is None else self.epsilon_high)
-
-# %% ../nbs/03a_training.ipynb #7af9c2b3
-@patch
-def _from_command_line(self:TrainConfig):
-    "TRL's booleans and what `HfArgumentParser` hands over (a list for a list field, None for one not given) in the"
-    " values the rest of the package reads."
-    flags = {True: "group", False: "none", "true": "group", "false": "none", "True": "group", "False": "none"}
-    self.scale_rewards = flags.get(self.scale_rewards, self.scale_rewards)
-    if self.gradient_checkpointing == "auto": self.gradient_checkpointing = None
-    if self.lora_target_modules in (None, ["all-linear"]): self.lora_target_modules = "all-linear"
-    if self.report_to is None: self.report_to = "none"
-    if isinstance(self.report_to, list) and len(self.report_to) == 1: self.report_to = self.report_to[0]
 
 # %% ../nbs/03a_training.ipynb #831bdfd1
 @patch
@@ -140,9 +132,8 @@ def _old_name(old:str, new:str) -> property:
         return self.clip_range if old == "clip_eps" else getattr(self, new)
     return property(get, doc=f"Deprecated name of `{new}`.")
 
-_dataclass_init = TrainConfig.__init__
-TrainConfig.__init__ = functools.wraps(_dataclass_init)(lambda self, *a, **kw: _dataclass_init(self, *a,
-                                                                                                **renamed_config(kw)))
+_init = TrainConfig.__init__
+TrainConfig.__init__ = functools.wraps(_init)(lambda self, *a, **kw: _init(self, *a, **renamed_config(kw)))
 for _old, _new in _RENAMED.items(): setattr(TrainConfig, _old, _old_name(_old, _new))
 
 # %% ../nbs/03a_training.ipynb #d8900106
