@@ -258,7 +258,7 @@ class _Job:
 
     def checkpoint(self, *call):
         from submitit.helpers import DelayedSubmission
-        return DelayedSubmission(_Job(), *call)
+        return DelayedSubmission(self, *call)
 
 def _outcome(call, job) -> dict:
     try: out = job.result()

@@ -65,7 +65,7 @@ def test_a_checkpoint_loads_with_peft_or_transformers_and_resumes(tiny, tmp_path
     ckpt = latest_checkpoint(tmp_path / "a")
     base = copy.deepcopy(tiny[0])
     loaded = PeftModel.from_pretrained(base, ckpt) if lora_r else AutoModelForCausalLM.from_pretrained(ckpt)
-    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    ids = torch.tensor([[1, 5, 9, 3, 7]], device=next(a.model.parameters()).device)
     with torch.no_grad(): assert torch.equal(loaded(ids).logits, a.model(ids).logits)
     assert json.loads((ckpt / "state.json").read_text())["layout"] == ("peft" if lora_r else "transformers")
     shutil.copytree(tmp_path / "a", tmp_path / "b")
