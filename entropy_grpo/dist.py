@@ -4,13 +4,14 @@
 
 # %% ../nbs/00d_dist.ipynb #1ccffdc8
 from __future__ import annotations
+import os
 
 import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['BUCKET_NUMEL', 'world_size', 'rank', 'shard_slice', 'comm_device', 'all_reduce_sum', 'all_reduce_extreme',
-           'all_reduce_counts']
+__all__ = ['BUCKET_NUMEL', 'world_size', 'rank', 'shard_slice', 'init_distributed', 'comm_device', 'all_reduce_sum',
+           'all_reduce_extreme', 'broadcast_', 'all_reduce_counts']
 
 # %% ../nbs/00d_dist.ipynb #7a221b03
 def world_size() -> int:
@@ -27,6 +28,20 @@ def shard_slice(n:int, ws:int|None=None, r:int|None=None) -> slice:
     "Rank r's contiguous share of n items (sizes differ by at most one); defaults: this process."
     ws, r = world_size() if ws is None else ws, rank() if r is None else r
     return slice(r * n // ws, (r + 1) * n // ws)
+
+# %% ../nbs/00d_dist.ipynb #5b7e4709
+def init_distributed() -> bool:
+    "Join the process group the environment describes (WORLD_SIZE > 1); True in a group, False for one process."
+    d = torch.distributed
+    if d.is_available() and d.is_initialized(): return True
+    ws = os.environ.get("WORLD_SIZE", "1")
+    if not ws.isdigit() or int(ws) < 1: raise ValueError(f"WORLD_SIZE={ws!r}: expected a process count >= 1")
+    if int(ws) == 1: return False
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing: raise RuntimeError(f"WORLD_SIZE={ws} but {', '.join(missing)} not set: launch with torchrun or sweep")
+    if torch.cuda.is_available(): torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    d.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return True
 
 # %% ../nbs/00d_dist.ipynb #73e2bc36
 BUCKET_NUMEL = 2**25   # elements per collective: 128 MB of float32 gradients at most in flight
@@ -67,6 +82,16 @@ def all_reduce_extreme(t:Tensor, op:str) -> Tensor:
         d.all_reduce(buf, op=dict(max=d.ReduceOp.MAX, min=d.ReduceOp.MIN)[op])
         if buf is not t: t.copy_(buf)
     return t
+
+def broadcast_(tensors:list[Tensor], src:int=0) -> list[Tensor]:
+    "Rank `src`'s values in every rank's tensors, in place (what all ranks must hold alike); identity on one process."
+    if world_size() > 1:
+        dev = comm_device()
+        for t in tensors:
+            buf = t.to(dev)
+            torch.distributed.broadcast(buf, src)
+            if buf is not t: t.copy_(buf)
+    return tensors
 
 def all_reduce_counts(d:dict, keys:list) -> dict:
     "Sum the integer entries `keys` of `d` across ranks, in place."

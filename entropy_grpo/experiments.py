@@ -11,8 +11,9 @@ import numpy as np
 
 from .reports import (TEMPLATES, git_sha, log_run, template_path,  # noqa: F401  (this module's names too)
                                   _rel, _stderr_to, check_parameters, dir_lock, lock_holder, read_metrics,
-                                  recover_run, repo_root, resolve_paths, run_notebook, run_status, run_summary)
-from .utils import atomic_path, markdown_table, save_figure, write_json
+                                  recover_run, repo_root, resolve_paths, run_notebook, run_rank, run_status,
+                                  run_summary)
+from .utils import atomic_path, check_range, markdown_table, save_figure, write_json
 
 # %% auto #0
 __all__ = ['REQUEUE', 'hack_rate_separation', 'check_sweep_spec', 'visible_gpus', 'executor_parameters', 'slurm_script',
@@ -54,14 +55,18 @@ def visible_gpus() -> list[int]:
     return list(range(torch.cuda.device_count()))
 
 def executor_parameters(kind:str, slurm:dict|None=None, timeout_min:int=24 * 60) -> dict:
-    "The submitit parameters each job gets: one GPU (local: each its own) and `timeout_min` unless `slurm` says else."
+    "The submitit parameters each job gets: one GPU (local: each its own) and `timeout_min` unless `slurm` says else;"
+    " on Slurm one task per GPU (`--gpus N`: N processes, one run)."
     if kind == "local": return dict(timeout_min=timeout_min, gpus_per_node=min(1, len(visible_gpus())),
                                     visible_gpus=visible_gpus())
     if kind != "slurm": raise ValueError(f"executor={kind!r}: expected 'local' or 'slurm'")
-    params = {**dict(timeout_min=timeout_min, gpus_per_node=1, tasks_per_node=1), **(slurm or {})}
-    if params["gpus_per_node"] > 1:
-        raise ValueError(f"--gpus {params['gpus_per_node']}: a run's kernel drives one GPU and one process per GPU is "
-                         "not built yet; use --gpus 1 (the default) and --max-parallel N for N jobs side by side")
+    params = {**dict(timeout_min=timeout_min, gpus_per_node=1, tasks_per_node=None), **(slurm or {})}
+    n = params["gpus_per_node"]
+    check_range("--gpus", n, 1, integer=True)
+    if params["tasks_per_node"] not in (None, n):
+        raise ValueError(f"tasks_per_node={params['tasks_per_node']}: a job runs one task per GPU ({n})")
+    params["tasks_per_node"] = n
+    if n > 1: params["slurm_srun_args"] = ["--kill-on-bad-exit=1"]   # a task that fails stops the others
     return params
 
 def slurm_script(folder, params:dict) -> str:
@@ -116,7 +121,7 @@ def _minutes(s:str) -> int:
 def add_slurm_arguments(s:argparse.ArgumentParser):
     "`sweep`'s Slurm settings: --gpus --time --partition --mem --cpus --sbatch KEY=VALUE."
     g = s.add_argument_group("Slurm (executor slurm; --dry-run prints them)")
-    g.add_argument("--gpus", type=int, help="GPUs per job (default 1)")
+    g.add_argument("--gpus", type=int, help="GPUs per job, one process on each (default 1)")
     g.add_argument("--time", type=_minutes, help="time limit per job: minutes or [D-]HH:MM:SS (default: 24 h)")
     g.add_argument("--partition"); g.add_argument("--mem", type=int, help="memory per job in GB")
     g.add_argument("--cpus", type=int, help="CPUs per job")
@@ -162,6 +167,9 @@ def run_sweep(
     exp_dir, log = out_root/exp, out_root/"LOG.md"
     params = resolve_paths(params or {})
     check_parameters(template, {**params, "seed": seeds[0], "arm": arms[0], "steps": steps})
+    if (slurm or {}).get("gpus_per_node", 1) > 1 and template in TEMPLATES and template != "train":
+        raise ValueError(f"--gpus {slurm['gpus_per_node']} with template {template!r}: only the train template's run "
+                         "joins a process group; give it one GPU per job")
     plan = [(s, a) for a in arms for s in seeds]
     result = dict(exp_dir=str(exp_dir), plan=[_run_name(*x) for x in plan], ran=[], ceiling=None)
     if dry_run:
@@ -254,11 +262,33 @@ class _Job:
         slurm = os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
         for sig in (signal.SIGINT,) if slurm else (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.default_int_handler)
-        return run_notebook(*call)
+        return _task_of_many(*call) if slurm and int(os.environ.get("SLURM_NTASKS", "1")) > 1 else run_notebook(*call)
 
     def checkpoint(self, *call):
         from submitit.helpers import DelayedSubmission
         return DelayedSubmission(self, *call)
+
+def _task_of_many(template, run_dir, params, exp, log) -> dict:
+    "One task of a `--gpus N` Slurm job: torchrun's variables exported (each task drives cuda:$LOCAL_RANK); rank 0"
+    " records a killed run's finished work or runs the record-keeping `run_notebook`, the other ranks `run_rank` once"
+    " rank 0 says the run goes ahead (a TCPStore on MASTER_PORT + 1). A rank whose run fails raises: srun"
+    " (--kill-on-bad-exit) then stops the others, and the run resumes from its checkpoint when run again."
+    import datetime as dt, torch
+    from submitit.helpers import TorchDistributedEnvironment
+    env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    store = torch.distributed.TCPStore(env.master_addr, env.master_port + 1, env.world_size, env.rank == 0,
+                                       timeout=dt.timedelta(minutes=30))
+    if env.rank > 0:
+        go = store.get("go") == b"run"
+        store.add("read", 1)
+        if go: run_rank(template, run_dir, params, env.rank)
+        return dict(status="ok" if go else "done before", run_dir=str(run_dir), rank=env.rank)
+    go = recover_run(run_dir, exp, log) != "done"
+    store.set("go", "run" if go else "skip")
+    while store.add("read", 0) < env.world_size - 1: time.sleep(0.1)   # the store lives as long as rank 0 needs it
+    out = run_notebook(template, run_dir, params, exp, log) if go else dict(status="ok", run_dir=str(run_dir))
+    if out["status"] != "ok": raise RuntimeError(f"{Path(run_dir).name} {out['status']}: {out.get('error', '')}")
+    return out
 
 def _outcome(call, job) -> dict:
     try: out = job.result()

@@ -13,6 +13,7 @@ import torch
 from fastcore.basics import patch
 
 from .adapters import add_delta_s, add_lora
+from .dist import broadcast_, init_distributed, rank, world_size
 from .policies import policy_by_name
 from .pools import load_pool
 from .projection_arms import ARM_ADAPTER, ARMS, V_HACK_SOURCES, ProjectionArm, extract_v_hack, pool_pairs
@@ -84,6 +85,7 @@ class Phase3Run:
     "One Phase-3 (seed, arm) run: the policy, the task and what each phase leaves for the next."
     def __init__(self, cfg:Phase3Config, task=None):   # task: a Task (default: the preset's arithmetic problems)
         self.cfg, self.out, self.t0 = cfg, Path(cfg.out_dir), time.perf_counter()
+        self.main = not init_distributed() or rank() == 0   # one process per GPU: rank 0 alone writes files
         self.out.mkdir(parents=True, exist_ok=True)
         s = cfg.sizes
         torch.manual_seed(cfg.seed)
@@ -122,7 +124,8 @@ def fit_v_hack(self:Phase3Run) -> dict:
     triples = pool_pairs(pools[0], pools[-1], self.tok, prompt_key="hint_prompt" if c.hint else "student_prompt")
     vh = extract_v_hack(sp, self.adapter, triples, k=c.k, loss="grpo", length_norm=tc.length_norm,
                         pools={p.name: str(p.dir) for p in pools}, source=c.v_hack_source, seed=c.seed + 1_000)
-    vh.save(self.out/"v_hack.safetensors")
+    broadcast_(list(vh.V.values()))   # every rank projects along rank 0's v_hack (GPU SVDs may differ in the last bit)
+    if self.main: vh.save(self.out/"v_hack.safetensors")
     self.v_hack = vh
     self.callbacks.append(ProjectionArm(c.arm, self.adapter, vh))
     self.v_info = dict(k=c.k, n_pairs=len(triples), modules=len(vh.V), clean_pool=pools[-1].name,
@@ -134,6 +137,7 @@ def run_training(self:Phase3Run) -> list[dict]:
     "The loop (resumed from the newest checkpoint in out_dir); its per-step log."
     train(self.adapter.model, self.tok, self.task, self.train_config, out_dir=self.out, callbacks=self.callbacks,
           resume_from="latest", progress=False, reference=self.adapter.zeroed)
+    if world_size() > 1: torch.distributed.barrier()   # rank 0 has written the last log line
     self.log = [json.loads(line) for line in (self.out/"log.jsonl").read_text().splitlines()]
     return self.log[-1:]
 
@@ -156,7 +160,8 @@ def curves(self:Phase3Run):
         for key in keys: a.plot(self.curve(key), label=key)
         a.set(xlabel="step"); a.legend(fontsize=7)
     ax[0].set(title=f"{self.cfg.arm}, seed {self.cfg.seed}")
-    fig.tight_layout(); save_figure(fig, self.out/"curves.png")
+    fig.tight_layout()
+    if self.main: save_figure(fig, self.out/"curves.png")
     return fig
 
 @patch
@@ -167,7 +172,7 @@ def metrics(self:Phase3Run) -> str:
     last = lambda key: float(np.mean(results[key][-5:])) if key in results else float("nan")
     summary = (f"{c.arm} seed {c.seed}: last-5 hack rate {last('hack_rate'):.3f}, gt_pass {last('gt_pass_rate'):.3f}, "
                f"reward {last('reward_mean'):.3f}")
-    write_json(self.out/"metrics.json", dict(status="ok", git_sha=git_sha(), parameters={**asdict(c),
-               "model": c.model_name}, summary=summary, results=results, v_hack=self.v_info, figures=["curves.png"],
-               seconds=time.perf_counter() - self.t0))
+    if self.main: write_json(self.out/"metrics.json", dict(status="ok", git_sha=git_sha(), parameters={**asdict(c),
+                             "model": c.model_name}, summary=summary, results=results, v_hack=self.v_info,
+                             figures=["curves.png"], seconds=time.perf_counter() - self.t0, world_size=world_size()))
     return summary

@@ -15,7 +15,7 @@ from .utils import atomic_path, check_range, json_default, write_json
 # %% auto #0
 __all__ = ['TEMPLATES', 'MINIMA', 'POSITIVE', 'RUN_STATES', 'PARTIAL', 'checkout', 'repo_root', 'template_path', 'git_sha',
            'check_parameters', 'resolve_paths', 'read_metrics', 'read_state', 'dir_lock', 'lock_holder', 'run_status',
-           'log_run', 'cell_phases', 'RunProgress', 'recover_run', 'run_notebook', 'run_summary']
+           'log_run', 'cell_phases', 'RunProgress', 'recover_run', 'run_notebook', 'run_rank', 'run_summary']
 
 # %% ../nbs/07a_reports.ipynb #135d2093
 TEMPLATES = {"phase1": "phase1_probe.ipynb", "phase2": "phase2_probe.ipynb", "train": "train.ipynb",
@@ -341,11 +341,8 @@ def run_notebook(
     expected:dict|None=None,     # phase seconds to estimate from when no sibling run has finished
 )->dict:                         # {status, run_dir, report, error?}
     "Execute a template with papermill into run_dir/report.ipynb; record success, the exception or the interrupt."
-    papermill = _papermill()
-    parameters = resolve_paths(parameters or {})
     run_dir = Path(run_dir).resolve()
-    declared = check_parameters(template, parameters)
-    if "out_dir" in declared: parameters["out_dir"] = str(run_dir)
+    parameters = _run_parameters(template, parameters, run_dir)
     exp = exp or run_dir.parent.name
     log_path = Path(log_path) if log_path else _default_log()
     _writable_run_dir(run_dir)
@@ -357,22 +354,45 @@ def run_notebook(
         _prepare_run_dir(run_dir, template, parameters)
         bar = RunProgress(expected=_expected_phases(run_dir, expected)) if progress else None
         running = lambda i: i == 0 and _set_state(run_dir, "running")
-        env = {"TQDM_DISABLE": "1", "MPLBACKEND": "Agg"}
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
         try:
             with _stderr_to(run_dir/"kernel.log") if progress else nullcontext():
-                papermill.execute_notebook(str(template_path(template)), str(run_dir/PARTIAL), parameters=parameters,
-                                           kernel_name=kernel_name, engine_name="entropy_grpo", progress=bar,
-                                           on_cell=running, cwd=str(repo_root()), progress_bar=False)
+                _execute(template, run_dir/PARTIAL, parameters, kernel_name, progress=bar, on_cell=running)
             if bar: bar.close(); write_json(run_dir/"phases.json", bar.seconds)
             return _finish(run_dir, exp, log_path)
         except (Exception, KeyboardInterrupt) as e:
             return _record_failure(e, run_dir, parameters, bar, log_path, exp, raise_on_error)
-        finally:
-            for k, v in old.items():
-                if v is None: os.environ.pop(k, None)
-                else: os.environ[k] = v
+
+# %% ../nbs/07a_reports.ipynb #6d70c426
+def _run_parameters(template, parameters:dict|None, run_dir:Path) -> dict:
+    "The run's parameters: checked against the template, paths absolute, out_dir = run_dir when the template has one."
+    parameters = resolve_paths(parameters or {})
+    if "out_dir" in check_parameters(template, parameters): parameters["out_dir"] = str(run_dir)
+    return parameters
+
+def _execute(template, out:Path, parameters:dict, kernel_name:str, **engine):
+    "papermill through engine 'entropy_grpo' (`engine`: its progress and on_cell), the kernel without tqdm bars."
+    env = {"TQDM_DISABLE": "1", "MPLBACKEND": "Agg"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        _papermill().execute_notebook(str(template_path(template)), str(out), parameters=parameters,
+                                      kernel_name=kernel_name, engine_name="entropy_grpo", cwd=str(repo_root()),
+                                      progress_bar=False, **engine)
+    finally:
+        for k, v in old.items():
+            if v is None: os.environ.pop(k, None)
+            else: os.environ[k] = v
+
+def run_rank(template:str, run_dir, parameters:dict|None=None, rank:int=1, kernel_name:str="python3") -> Path:
+    "Rank `rank` > 0 of a one-process-per-GPU run: the template with the run's parameters, executed into"
+    " <run_dir's parent>/_ranks/<run>.rank<r>.ipynb (rank 0's `run_notebook` keeps the lock and the record). Raises"
+    " when a cell fails."
+    check_range("rank", rank, 1, integer=True)
+    run_dir = Path(run_dir).resolve()
+    out = run_dir.parent/"_ranks"/f"{run_dir.name}.rank{rank}.ipynb"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _execute(template, out, _run_parameters(template, parameters, run_dir), kernel_name)
+    return out
 
 # %% ../nbs/07a_reports.ipynb #44285e96
 def _record_failure(e, run_dir, parameters, bar, log_path, exp, raise_on_error) -> dict:

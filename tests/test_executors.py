@@ -1,7 +1,8 @@
 """Sweeps give each job a GPU: locally one job per visible GPU at a time (submitit's LocalExecutor alone hands a job
 CUDA_VISIBLE_DEVICES='' or, with gpus_per_node=1, always GPU 0); on Slurm the settings the user gives (GPUs, time,
-partition, memory, CPUs, extra #SBATCH options) from Python and the command line, one task per job on its one GPU,
-shown by --dry-run with the sbatch script; a job interrupted as Slurm interrupts it (USR2) is re-queued and resumes."""
+partition, memory, CPUs, extra #SBATCH options) from Python and the command line, one task per GPU (`--gpus N`: one
+run in N processes, rank 0 keeping its record), shown by --dry-run with the sbatch script; a job interrupted as Slurm
+interrupts it (USR2) is re-queued and resumes."""
 import os
 
 import pytest
@@ -29,8 +30,11 @@ def test_slurm_defaults_are_one_task_on_one_gpu_and_the_sweeps_time_not_submitit
     assert executor_parameters("slurm") == dict(timeout_min=24 * 60, gpus_per_node=1, tasks_per_node=1)
     mine = dict(slurm_partition="gpu", timeout_min=90, slurm_additional_parameters={"account": "rl"})
     assert executor_parameters("slurm", mine, timeout_min=5) == dict(gpus_per_node=1, tasks_per_node=1) | mine
-    with pytest.raises(ValueError, match="--gpus 2: a run's kernel drives one GPU"):
-        executor_parameters("slurm", dict(gpus_per_node=2))
+    assert executor_parameters("slurm", dict(gpus_per_node=4))["tasks_per_node"] == 4      # one process per GPU
+    with pytest.raises(ValueError, match="tasks_per_node=1: a job runs one task per GPU"):
+        executor_parameters("slurm", dict(gpus_per_node=2, tasks_per_node=1))
+    with pytest.raises(ValueError, match="--gpus=0: expected an integer >= 1"):
+        executor_parameters("slurm", dict(gpus_per_node=0))
 
 
 def test_slurm_executor_takes_the_settings(tmp_path, monkeypatch):
@@ -65,8 +69,15 @@ def test_cli_dry_run_shows_the_sbatch_script_with_requeue_and_one_task_per_gpu(t
     assert main(args) == 0
     assert "executor slurm, per job: {'timeout_min': 1440, 'gpus_per_node': 1, 'tasks_per_node': 1}" in \
         capsys.readouterr().out
-    assert main(args + ["--gpus", "2"]) == 2
-    assert "--gpus 2: a run's kernel drives one GPU" in capsys.readouterr().err
+    assert main(args + ["--gpus", "2"]) == 0                                # one job, two tasks: one per GPU
+    out = capsys.readouterr().out
+    assert {"#SBATCH --gpus-per-node=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --nodes=1"} <= set(out.splitlines())
+    assert "srun --unbuffered" in out and "--kill-on-bad-exit=1" in out and "requeue: on Slurm's time limit" in out
+    phase2 = ["sweep", "--template", "phase2", "--exp", "p2", "--seeds", "0", "--arms", "vanilla", "--dry-run",
+              "--executor", "slurm", "--gpus", "2"]
+    assert main(phase2) == 2
+    assert "--gpus 2 with template 'phase2': only the train template's run joins a process group" in \
+        capsys.readouterr().err
     with pytest.raises(SystemExit): main(args + ["--time", "soon"])
     assert "--time: invalid _minutes value: 'soon'" in capsys.readouterr().err
 
@@ -93,3 +104,43 @@ def test_a_job_signalled_as_slurm_does_is_requeued_and_its_run_resumes(tmp_path,
     [log] = run.rglob("log.jsonl")
     assert [json.loads(l)["step"] for l in log.read_text().splitlines()] == list(range(steps))
     assert "| p3 | 0-vanilla | ok |" in (tmp_path / "LOG.md").read_text()
+
+
+def _slurm_tasks(tmp_path, port, n=2, **kw):
+    "Start `n` processes as the tasks of one Slurm job (srun's variables) calling the sweep's job; their outputs."
+    import json, subprocess, sys
+    code = ("import json, sys; from entropy_grpo.experiments import _Job; "
+            "print('RESULT', json.dumps(_Job()(*json.loads(sys.argv[1]))))")
+    call = json.dumps(["train", str(tmp_path / "p3" / "0-vanilla"), dict(preset="smoke", seed=0, arm="vanilla", steps=4,
+                       **kw), "p3", str(tmp_path / "LOG.md")])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", SUBMITIT_EXECUTOR="slurm", SLURM_JOB_ID="4242",
+               SLURM_NTASKS=str(n), SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0", SLURM_JOB_NODELIST="localhost",
+               MASTER_PORT=str(port))
+    procs = [subprocess.Popen([sys.executable, "-c", code, call], env={**env, "SLURM_PROCID": str(r),
+                              "SLURM_LOCALID": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(n)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0] * n, [o[1][-3000:] for o in outs]
+    return [json.loads(o[0].split("RESULT ", 1)[1]) for o in outs]
+
+
+@pytest.mark.slow
+def test_a_two_gpu_slurm_job_is_one_run_in_two_processes(tmp_path):
+    "Two tasks of one `--gpus 2` job (srun's variables, gloo on the CPU): one run trained by a 2-process group, its"
+    " record, report and files written once by rank 0, rank 1's notebook beside the sweep; run again, both skip it."
+    import json
+    from entropy_grpo.checkpoints import latest_checkpoint
+    from entropy_grpo.reports import run_status
+    from gloo import free_port
+    run = tmp_path / "p3" / "0-vanilla"
+    r0, r1 = _slurm_tasks(tmp_path, free_port())
+    assert (r0["status"], r1["status"], r1["rank"]) == ("ok", "ok", 1) and run_status(run) == "done"
+    assert json.loads((run / "metrics.json").read_text())["world_size"] == 2
+    assert json.loads((latest_checkpoint(run) / "state.json").read_text())["world_size"] == 2
+    assert [json.loads(l)["step"] for l in (run / "log.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    assert (tmp_path / "p3" / "_ranks" / "0-vanilla.rank1.ipynb").exists() and not list(run.glob("*rank*"))
+    log = (tmp_path / "LOG.md").read_text()
+    assert log.count("| p3 | 0-vanilla | ok |") == 1
+    assert [r["status"] for r in _slurm_tasks(tmp_path, free_port())] == ["ok", "done before"]
+    assert (tmp_path / "LOG.md").read_text() == log
