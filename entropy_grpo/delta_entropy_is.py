@@ -11,7 +11,7 @@ from fastcore.basics import patch
 from torch import Tensor
 
 from .dist import all_reduce_counts, all_reduce_extreme, all_reduce_sum
-from .dr_grpo import check_length_norm, policy_gradient_backward
+from .dr_grpo import LOSS_NORMS, check_length_norm, policy_gradient_backward
 from .probe_state import TrainingState, _ulp_steps
 from .sequence_processor import GenerationConfig, SequenceProcessor, as_batched_sequences
 from .utils import check_choice, check_range
@@ -46,7 +46,7 @@ def importance_config(cfg:dict|None=None) -> dict:
     cfg = {**IMPORTANCE_DEFAULTS, **cfg}
     check_choice("weights", cfg["weights"], ("sampling", "full"))
     check_choice("entropy_mode", cfg["entropy_mode"], ("rb", "naive"))
-    cfg["length_norm"] = check_length_norm(cfg["length_norm"])
+    cfg["length_norm"] = check_length_norm(cfg["length_norm"], LOSS_NORMS)
     if cfg["max_grad_norm"] is not None: check_range("max_grad_norm", cfg["max_grad_norm"], 0, lo_open=True)
     check_range("beta", cfg["beta"], 0)
     return cfg

@@ -14,8 +14,8 @@ from .sequence_processor import BatchedSequences, SequenceProcessor
 from .utils import check_choice, check_range
 
 # %% auto #0
-__all__ = ['SCALE_REWARDS', 'LENGTH_NORMS', 'group_advantages', 'check_length_norm', 'length_normaliser', 'dr_grpo_loss',
-           'policy_gradient_backward']
+__all__ = ['SCALE_REWARDS', 'LENGTH_NORMS', 'LOSS_NORMS', 'group_advantages', 'check_length_norm', 'length_normaliser',
+           'dr_grpo_loss', 'policy_gradient_backward']
 
 # %% ../nbs/03_dr_grpo.ipynb #4959fdf6
 SCALE_REWARDS = ("none", "group", "batch")   # TRL's scale_rewards
@@ -39,14 +39,15 @@ def group_advantages(
     return adv
 
 # %% ../nbs/03_dr_grpo.ipynb #a2fe432c
-LENGTH_NORMS = ("max_len", "realized", "sample")
+LENGTH_NORMS = ("max_len", "realized", "sample")   # per completion: what per-sample gradients can use
+LOSS_NORMS = (*LENGTH_NORMS, "dapo")               # the loss of a whole batch: "dapo" needs its global token count
 
-def check_length_norm(length_norm:str) -> str:
+def check_length_norm(length_norm:str, allowed:tuple=LENGTH_NORMS) -> str:
     "The canonical name of a `length_norm` choice ('max_new_tokens' is the old name of 'max_len', kept one release)."
     if length_norm == "max_new_tokens":
         warnings.warn("length_norm='max_new_tokens' is renamed 'max_len'", DeprecationWarning, stacklevel=3)
         return "max_len"
-    return check_choice("length_norm", length_norm, LENGTH_NORMS)
+    return check_choice("length_norm", length_norm, allowed)
 
 def length_normaliser(
     gen_mask:Tensor,            # [B, G, T] bool
@@ -82,6 +83,7 @@ def dr_grpo_loss(
     num_prompts:int|None=None,  # global number of prompts the loss is averaged over; default B
     return_stats:bool=False,    # also return sums for clip fraction and KL (global sums, reduce them yourself)
     per_sample:bool=False,      # return each completion's term [B, G] instead of their sum
+    n_tokens:float|None=None,   # length_norm="dapo": completion tokens in the global batch (all microbatches, ranks)
 ):
     "Dr.GRPO surrogate: token sums per prompt over G·L, averaged over prompts; the package's only policy-gradient loss."
     check_range("beta", beta, 0)
@@ -100,7 +102,10 @@ def dr_grpo_loss(
         if ref_logp is None: raise ValueError("beta > 0 needs ref_logp")
         d = (ref_logp - new_logp) * m
         per_tok = per_tok + beta * (d.exp() - d - 1)
-    L = length_normaliser(gen_mask, max_len, length_norm)
+    if length_norm == "dapo":   # every token of the global batch weighs 1 / n_tokens: L = n_tokens / completions
+        if n_tokens is None: raise ValueError("length_norm='dapo' needs n_tokens (the global batch's completion count)")
+        L = torch.full((B, G), max(n_tokens, 1) / ((num_prompts or B) * G), dtype=per_tok.dtype, device=per_tok.device)
+    else: L = length_normaliser(gen_mask, max_len, length_norm)
     terms = (per_tok * m).sum(-1) / (G * L)                                         # [B, G]
     loss = terms / (num_prompts or B) if per_sample else terms.sum() / (num_prompts or B)
     if not return_stats: return loss
@@ -136,6 +141,9 @@ def policy_gradient_backward(
     num_prompts = num_prompts or B * ws
     max_len = max_len or sp.config.max_new_tokens
     step = prompts_per_microbatch or max(1, sp.config.tf_batch_size // G)
+    n_tokens = None
+    if check_length_norm(length_norm, LOSS_NORMS) == "dapo":   # the global batch's tokens, before any microbatch
+        n_tokens = float(all_reduce_sum([seqs.gen_lens.sum().double().reshape(1)])[0])
     dev = sp.device
     total = torch.zeros(4, dtype=torch.float64, device=dev)     # loss, tokens, clipped, KL sum
     for s in range(0, B, step):
@@ -144,7 +152,8 @@ def policy_gradient_backward(
         Tg = res.logprobs.shape[-1]
         cut = lambda t: None if t is None else t[s:s + step, :, :Tg].to(dev)
         loss, st = dr_grpo_loss(res.logprobs, cut(old_logp), advantages[s:s + step].to(dev), res.gen_mask, max_len,
-                                clip_eps, beta, cut(ref_logp), length_norm, num_prompts, return_stats=True)
+                                clip_eps, beta, cut(ref_logp), length_norm, num_prompts, return_stats=True,
+                                n_tokens=n_tokens)
         if loss.requires_grad: loss.backward()
         kl = st.get("kl_sum", torch.zeros((), device=dev))
         total += torch.stack([loss.detach().double(), st["n_tokens"].double(), st["n_clipped"].double(), kl.double()])

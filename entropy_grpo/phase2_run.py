@@ -29,7 +29,7 @@ from .reports import git_sha
 from .sequence_processor import GenerationConfig, SequenceProcessor, make_probe_batch
 from .tasks import LEAKY_HINT, ArithmeticTask
 from .teachers import check_style_pool, teacher_and_base_pools
-from .training import TrainConfig, build_optimizer, train
+from .training import LOSS_TYPE_OF, TrainConfig, build_optimizer, train
 from .utils import TemplateConfig, check_choice, check_range, write_json
 
 # %% auto #0
@@ -230,8 +230,8 @@ def on_policy(self:Phase2Run, task=None) -> dict:
     "on_policy_alignment of v_hack at θ₀ (after fit_v_hack); its row joins the table at verify."
     c = self.cfg
     if not c.on_policy_prompts: return {}
-    tc = TrainConfig(prompts_per_step=1, num_generations=c.G, learning_rate=c.lr, length_norm=c.length_norm, hint=True,
-                     seed=c.seed, generation=self.gen)
+    tc = TrainConfig(prompts_per_step=1, num_generations=c.G, learning_rate=c.lr, loss_type=LOSS_TYPE_OF[c.length_norm],
+                     hint=True, seed=c.seed, generation=self.gen)
     self.on_policy_result = on_policy_alignment(self.adapter, self.tok, task or self.task, self.gen, tc, self.v_hack,
                                                 c.on_policy_prompts, c.seed + 20_000, n_random=5 * c.n_controls)
     self._done("on_policy")
@@ -246,7 +246,7 @@ def run_arms(self:Phase2Run) -> list:
         a = self.with_adapter()
         rec = Phase2Recorder(ProjectionArm(name, a, self.v_hack, c.gate, c.overshoot), self.controls, self.out/name)
         cfg = TrainConfig(max_steps=c.steps, prompts_per_step=1, num_generations=c.G, learning_rate=c.lr,
-                          length_norm=c.length_norm, seed=c.seed, arm=name, generation=self.gen)
+                          loss_type=LOSS_TYPE_OF[c.length_norm], seed=c.seed, arm=name, generation=self.gen)
         train(a.model, self.tok, config=cfg, source=ReplaySource(self.pools, self.split["replay_steps"], c.per_pool,
                                                                  seed=c.seed),
               callbacks=[rec], progress=self.progress)
@@ -331,8 +331,8 @@ def entropy_probe(self:Phase2Run) -> dict:
                            device=next(self.adapter.model.parameters()).device)
     U = make_probe_batch(replay_batch(groups, self.tok, "hint_prompt"), rewards, group_advantages(rewards),
                          max_new_tokens=c.max_new_tokens)
-    tc = TrainConfig(prompts_per_step=c.B_U, num_generations=c.G, learning_rate=max(c.lrs), length_norm=c.length_norm,
-                     seed=c.seed, arm=c.vanilla_arm, generation=self.gen)
+    tc = TrainConfig(prompts_per_step=c.B_U, num_generations=c.G, learning_rate=max(c.lrs),
+                     loss_type=LOSS_TYPE_OF[c.length_norm], seed=c.seed, arm=c.vanilla_arm, generation=self.gen)
     opt = build_optimizer(self.adapter.parameters(), tc)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")

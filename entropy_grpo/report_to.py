@@ -30,10 +30,14 @@ class Reporter:
         out_dir:str|Path|None,      # the run's folder: the integrations write under it
         model=None,                 # handed to the integrations (tensorboard records its config)
         run_name:str|None=None,     # the run's name in wandb / trackio
+        logging_steps:int=1,        # send the mean of every this many steps' records (TRL's logging_steps)
     ):
         from transformers import TrainerControl, TrainerState, TrainingArguments
         from transformers.integrations import get_reporting_integration_callbacks
         names = report_names(report_to)
+        if isinstance(logging_steps, bool) or not isinstance(logging_steps, int) or logging_steps < 1:
+            raise ValueError(f"logging_steps={logging_steps!r}: expected an integer >= 1")
+        self.every, self.window = logging_steps, []
         if names and out_dir is None:
             raise ValueError(f"report_to={report_to!r} needs an out_dir: the integrations write under it")
         self.callbacks = [c() for c in get_reporting_integration_callbacks(names)]
@@ -43,12 +47,22 @@ class Reporter:
         for cb in self.callbacks: cb.on_train_begin(self.args, self.state, self.control, model=model)
 
     def on_step_end(self, ctx, record:dict):
-        "The record's numbers (not its strings or lists) as `train/<field>` at global step record['step'] + 1."
+        "The record's numbers (not its strings or lists); every `logging_steps` steps their window's means go out as"
+        " `train/<field>` at global step record['step'] + 1."
         if not self.callbacks: return
-        self.state.global_step = record["step"] + 1
-        logs = {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        self.window.append({k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"})
+        self.last = record["step"] + 1
+        if self.last % self.every == 0: self._send()
+
+    def _send(self):
+        self.state.global_step = self.last
+        keys = dict.fromkeys(k for r in self.window for k in r)     # a field a step did not log: the others' mean
+        logs = {k: sum(v) / len(v) for k in keys if (v := [r[k] for r in self.window if k in r])}
         for cb in self.callbacks: cb.on_log(self.args, self.state, self.control, logs=logs)
+        self.window = []
 
     def on_train_end(self, ctx=None):
+        "The last, shorter window (if any), then the integrations closed."
+        if self.callbacks and self.window: self._send()
         for cb in self.callbacks: cb.on_train_end(self.args, self.state, self.control)
         self.callbacks = []

@@ -4,137 +4,27 @@
 
 # %% ../nbs/03a_training.ipynb #ffe7977a
 from __future__ import annotations
-import copy, functools, json, math, random, time, warnings
-from dataclasses import asdict, dataclass, field, replace
+import copy, json, math, random, time, warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from fastcore.basics import patch
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from .checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, trainable_parameters
+from .train_config import (LOSS_TYPE_OF, LOSS_TYPES, SCHEDULERS, TrainConfig,  # noqa: F401 (training's too)
+                                       renamed_config)
 from .dist import all_reduce_sum, rank, shard_slice, world_size
-from .report_to import Reporter, report_names
-from .dr_grpo import SCALE_REWARDS, check_length_norm, group_advantages, policy_gradient_backward
+from .report_to import Reporter
+from .dr_grpo import group_advantages, policy_gradient_backward
 from .policies import set_checkpointing, wants_checkpointing
 from .sequence_processor import BatchedSequences, GenerationConfig, LogprobResults, SequenceProcessor
-from .utils import atomic_path, check_choice, check_range, json_default, tqdm_disable, write_json
+from .utils import atomic_path, json_default, tqdm_disable, write_json
 
 # %% auto #0
-__all__ = ['SCHEDULERS', 'FLAGS', 'TrainConfig', 'renamed_config', 'step_problems', 'Rollout', 'GenerationSource', 'apply_lora',
-           'StepContext', 'TrainResult', 'build_optimizer', 'train']
-
-# %% ../nbs/03a_training.ipynb #4a2286c1
-SCHEDULERS = ("constant_with_warmup", "constant", "linear", "cosine")   # transformers' names ("constant": no warmup)
-
-@dataclass
-class TrainConfig:
-    "Everything `train` needs besides the model, the data and the output folder."
-    max_steps:int=20                 # batches (Phase 2: 20, Phase 3: 200); each gets num_iterations optimizer steps
-    prompts_per_step:int=4           # global prompts per step, all ranks together (Phase 3: 43)
-    num_generations:int|None=None    # G completions per prompt; None -> generation.num_generations
-    learning_rate:float|None=None    # AdamW lr; None -> 7e-5 with LoRA, 1e-5 for full fine-tuning
-    weight_decay:float=0.0           # AdamW decoupled weight decay (TRL/HF default)
-    adam_beta1:float=0.9
-    adam_beta2:float=0.999
-    adam_epsilon:float=1e-8
-    lr_scheduler_type:str="constant_with_warmup"  # or "constant" (no warmup), "linear", "cosine" (transformers')
-    warmup_steps:int=0               # linear warmup, in optimizer steps
-    max_grad_norm:float|None=1.0     # clip the global gradient norm (TRL default); None = no clipping (still logged)
-    beta:float=0.0                   # KL coefficient (k3 to the reference policy); 0 = no reference pass
-    epsilon:float=0.2                # PPO clipping ε (the low side)
-    epsilon_high:float|None=None     # the high side (DAPO's clip-higher); None = epsilon
-    length_norm:str="max_len"        # "max_len" (Dr.GRPO: G·L_max) | "realized" | "sample"
-    scale_rewards:str="none"         # "none" (Dr.GRPO; or False) | "group" (or True) | "batch" (global batch std)
-    num_iterations:int=1             # μ: optimizer steps per batch; 1 -> ratio ≡ 1 (old log q not needed)
-    prompts_per_microbatch:int|None=None  # prompts per backward microbatch; None -> tf_batch_size // G
-    gradient_checkpointing:bool|None=None  # recompute layers in backward; None (or "auto"): on above CHECKPOINT_ABOVE
-    hint:bool|str=False              # prompts carry the task's lenient-grader hint (or this text)
-    lora_r:int|None=None             # LoRA rank; None = full fine-tuning of every parameter that requires grad
-    lora_alpha:float=32.0            # LoRA scale = lora_alpha / lora_r
-    lora_dropout:float=0.0           # > 0 makes the gradient pass differ from the scoring passes
-    lora_target_modules:list[str]|str="all-linear"  # peft `target_modules`
-    save_steps:int=0                 # checkpoint every k steps and after the last; 0: after the last (needs out_dir)
-    seed:int=0                       # prompt order, LoRA init, per-(step, rank) sampling seed
-    arm:str="vanilla"                # name written into every log record (projection arms: "projected", …)
-    report_to:list[str]|str="none"   # also send each record there, as transformers does: "tensorboard", "wandb", "all"
-    generation:GenerationConfig=field(default_factory=GenerationConfig)  # sampling knobs (a dict is converted)
-
-    def __post_init__(self):
-        if isinstance(self.generation, dict): self.generation = GenerationConfig(**self.generation)
-        if not isinstance(self.generation, GenerationConfig):
-            raise ValueError(f"generation={self.generation!r}: expected a GenerationConfig")
-        if self.num_generations is None: self.num_generations = self.generation.num_generations
-        check_range("num_generations", self.num_generations, 1, integer=True)
-        self.generation = replace(self.generation, num_generations=self.num_generations)
-        if self.learning_rate is None: self.learning_rate = 7e-5 if self.lora_r is not None else 1e-5
-        flags = {True: "group", False: "none", "true": "group", "false": "none"}   # TRL's booleans, from Python or a
-        self.scale_rewards = flags.get(self.scale_rewards, self.scale_rewards)     # command line (HfArgumentParser:
-        if self.gradient_checkpointing == "auto": self.gradient_checkpointing = None   # a list for a list field,
-        if self.lora_target_modules in (None, ["all-linear"]): self.lora_target_modules = "all-linear"   # None for
-        if self.report_to in (None, []): self.report_to = "none"                   # a field not given)
-        self.length_norm = check_length_norm(self.length_norm)
-        self._check()
-
-    def to_dict(self) -> dict:
-        "JSON-ready dict; `TrainConfig(**d)` rebuilds the config."
-        return json.loads(json.dumps(asdict(self)))
-
-    @property
-    def clip_range(self) -> tuple:
-        "(ε_low, ε_high), as the loss takes it."
-        return (self.epsilon, self.epsilon if self.epsilon_high is None else self.epsilon_high)
-
-# %% ../nbs/03a_training.ipynb #831bdfd1
-@patch
-def _check(self:TrainConfig):
-    "Every field in range and every choice known (`__post_init__` calls it)."
-    for name, lo in (("max_steps", 1), ("prompts_per_step", 1), ("num_iterations", 1), ("warmup_steps", 0),
-                     ("save_steps", 0), ("seed", 0), ("lora_r", 1), ("prompts_per_microbatch", 1)):
-        if getattr(self, name) is not None: check_range(name, getattr(self, name), lo, integer=True)
-    for name, lo, hi, lo_open in (("learning_rate", 0, None, True), ("epsilon", 0, None, True),
-                                  ("weight_decay", 0, None, False), ("adam_beta1", 0, 1, False),
-                                  ("adam_beta2", 0, 1, False),
-                                  ("adam_epsilon", 0, None, True), ("beta", 0, None, False),
-                                  ("lora_alpha", 0, None, True), ("lora_dropout", 0, 1, False)):
-        check_range(name, getattr(self, name), lo, hi, lo_open=lo_open, hi_open=hi == 1)
-    if self.max_grad_norm is not None: check_range("max_grad_norm", self.max_grad_norm, 0, lo_open=True)
-    if self.epsilon_high is not None: check_range("epsilon_high", self.epsilon_high, 0, lo_open=True)
-    report_names(self.report_to)
-    check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
-    check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
-    check_choice("gradient_checkpointing", self.gradient_checkpointing, (None, True, False))
-    if not isinstance(self.arm, str) or not self.arm:
-        raise ValueError(f"arm={self.arm!r}: expected a non-empty name")
-
-# %% ../nbs/03a_training.ipynb #5dd00d77
-_RENAMED = dict(steps="max_steps", lr="learning_rate", lr_scheduler="lr_scheduler_type", checkpoint_every="save_steps",
-                clip_eps="epsilon")   # the names before 0.1.0 -> TRL's; the old ones go in 0.2.0
-
-def renamed_config(kw:dict, warn:bool=True) -> dict:
-    "`TrainConfig` keywords with the names used before 0.1.0 mapped to TRL's (a DeprecationWarning each when `warn`)."
-    kw = dict(kw)
-    for old in [k for k in kw if k in _RENAMED]:
-        new, v = _RENAMED[old], kw.pop(old)
-        if new in kw: raise ValueError(f"{old}= and {new}= both given: {old} is the old name of {new}")
-        if warn: warnings.warn(f"TrainConfig({old}=) is deprecated and goes in 0.2.0: use {new}= (TRL's name)",
-                               DeprecationWarning, stacklevel=3)
-        if old == "lr_scheduler" and v == "constant": v = "constant_with_warmup"      # what "constant" meant here
-        if old == "clip_eps" and isinstance(v, (tuple, list)): v, kw["epsilon_high"] = v
-        kw[new] = v
-    return kw
-
-def _old_name(old:str, new:str) -> property:
-    def get(self):
-        warnings.warn(f"TrainConfig.{old} is deprecated and goes in 0.2.0: use .{new}", DeprecationWarning,
-                      stacklevel=2)
-        return self.clip_range if old == "clip_eps" else getattr(self, new)
-    return property(get, doc=f"Deprecated name of `{new}`.")
-
-_init = TrainConfig.__init__
-TrainConfig.__init__ = functools.wraps(_init)(lambda self, *a, **kw: _init(self, *a, **renamed_config(kw)))
-for _old, _new in _RENAMED.items(): setattr(TrainConfig, _old, _old_name(_old, _new))
+__all__ = ['FLAGS', 'step_problems', 'Rollout', 'GenerationSource', 'apply_lora', 'StepContext', 'TrainResult', 'build_optimizer',
+           'train']
 
 # %% ../nbs/03a_training.ipynb #d8900106
 def step_problems(
@@ -276,11 +166,11 @@ def _setup(model, tokenizer, cfg:TrainConfig, resume_from, out:Path|None, refere
 
 # %% ../nbs/03a_training.ipynb #f044f4d0
 def _check_resume(state:dict, cfg:TrainConfig, path):
-    "The saved config must be this one, except `max_steps`, `save_steps` and `report_to` (a checkpoint from before"
-    " 0.1.0, with the old names, included)."
+    "The saved config must be this one, except `max_steps`, `save_steps`, `logging_steps` and `report_to` (a"
+    " checkpoint from before 0.1.0, with the old names, included)."
     old, new = TrainConfig(**renamed_config(state["config"], warn=False)).to_dict(), cfg.to_dict()
     diff = sorted(k for k in set(old) | set(new)
-                  if k not in ("max_steps", "save_steps", "report_to") and old.get(k) != new.get(k))
+                  if k not in ("max_steps", "save_steps", "logging_steps", "report_to") and old.get(k) != new.get(k))
     if diff:
         raise ValueError(f"{path} was written with another config: "
                          f"{', '.join(f'{k}={old.get(k)!r} (now {new.get(k)!r})' for k in diff)}")
@@ -408,7 +298,8 @@ def train(
     source = source if source is not None else GenerationSource(task)
     out = Path(out_dir) if out_dir is not None else None
     run = _setup(model, tokenizer, cfg, resume_from, out, reference)
-    callbacks = [*callbacks, Reporter(cfg.report_to if rank() == 0 else "none", out, run.model, cfg.arm)]
+    callbacks = [*callbacks, Reporter(cfg.report_to if rank() == 0 else "none", out, run.model, cfg.arm,
+                                      cfg.logging_steps)]
     ctx, records = StepContext(run.model, run.opt, run.sched, run.sp, cfg), []
     bar = tqdm(range(run.start, cfg.max_steps), initial=run.start, total=cfg.max_steps, desc=f"train {cfg.arm}",
                mininterval=10,

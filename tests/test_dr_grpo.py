@@ -1,5 +1,5 @@
-"""dr_grpo: the loss and its gradient equal TRL's dr_grpo formula (clipping and KL included), the ratio-one gradient
-equals its closed form by finite differences, and streamed backward over microbatches equals one batch."""
+"""dr_grpo: the loss and its gradient equal TRL's dr_grpo and dapo formulas (clipping and KL included), the ratio-one
+gradient equals its closed form by finite differences, and streamed backward over microbatches equals one batch."""
 import math
 
 import pytest
@@ -21,9 +21,15 @@ def trl_dr_grpo(logp, old_logp, ref_logp, adv, mask, max_completion_length, eps_
     return (per_token * mask).sum() / (per_token.size(0) * max_completion_length)
 
 
+def trl_dapo(logp, old_logp, ref_logp, adv, mask, eps_low, eps_high, beta):
+    "TRL's loss_type='dapo' (its default), one process, no accumulation: Σ masked per-token loss / Σ mask."
+    return trl_dr_grpo(logp, old_logp, ref_logp, adv, mask, 1, eps_low, eps_high, beta) * logp.size(0) / mask.sum()
+
+
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "dapo"])
 @pytest.mark.parametrize("spread,beta,eps", [(1e-3, 0.0, 0.2), (0.5, 0.0, 0.2), (0.5, 0.04, (0.2, 0.28))],
                          ids=["ratio~1", "clipping", "clip-higher+kl"])
-def test_loss_and_gradient_equal_trl_formula(spread, beta, eps):
+def test_loss_and_gradient_equal_trl_formula(spread, beta, eps, loss_type):
     g = torch.Generator().manual_seed(0)
     B, G, T, L = 3, 4, 7, 9
     new = (-torch.rand(B, G, T, generator=g, dtype=torch.float64) * 3)
@@ -32,10 +38,12 @@ def test_loss_and_gradient_equal_trl_formula(spread, beta, eps):
     mask = torch.rand(B, G, T, generator=g) > 0.25
     adv = group_advantages(torch.randn(B, G, generator=g, dtype=torch.float64))
     a, b = new.clone().requires_grad_(), new.clone().requires_grad_()
-    ours, st = dr_grpo_loss(a, old, adv, mask, max_len=L, clip_eps=eps, beta=beta, ref_logp=ref, return_stats=True)
+    norm = dict(length_norm="dapo", n_tokens=float(mask.sum())) if loss_type == "dapo" else {}
+    ours, st = dr_grpo_loss(a, old, adv, mask, max_len=L, clip_eps=eps, beta=beta, ref_logp=ref, return_stats=True,
+                            **norm)
     lo, hi = (eps, eps) if isinstance(eps, float) else eps
-    theirs = trl_dr_grpo(b.flatten(0, 1), old.flatten(0, 1), ref.flatten(0, 1), adv.flatten(), mask.flatten(0, 1), L,
-                         lo, hi, beta)
+    flat = (b.flatten(0, 1), old.flatten(0, 1), ref.flatten(0, 1), adv.flatten(), mask.flatten(0, 1))
+    theirs = trl_dr_grpo(*flat, L, lo, hi, beta) if loss_type == "dr_grpo" else trl_dapo(*flat, lo, hi, beta)
     ours.backward(); theirs.backward()
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=0)
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-15)
@@ -89,12 +97,13 @@ def test_ratio_one_gradient_is_closed_form_by_finite_differences(top_p, float64_
     assert abs(fd - analytic) <= 1e-6 * abs(analytic), (fd, analytic)
 
 
-def test_streamed_backward_equals_one_batch(fresh_tiny64):
+@pytest.mark.parametrize("length_norm", ["max_len", "dapo"])
+def test_streamed_backward_equals_one_batch(fresh_tiny64, length_norm):
     model, sp, U, adv = _setup(fresh_tiny64, 0.95)
     grads = []
     for ppm in (1, 2, 3):
         model.zero_grad()
-        out = policy_gradient_backward(sp, U, adv, prompts_per_microbatch=ppm)
+        out = policy_gradient_backward(sp, U, adv, prompts_per_microbatch=ppm, length_norm=length_norm)
         grads.append((torch.cat([p.grad.flatten() for p in model.parameters()]), out["loss"]))
     for g, loss in grads[:2]:
         torch.testing.assert_close(g, grads[2][0], rtol=1e-12, atol=1e-15)

@@ -6,7 +6,8 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "entropy_grpo"
 LAYERS = [("utils", "dist", "kept_sets", "report_to"), ("policies", "tasks", "rb_entropy", "adapters", "checkpoints"),
-          ("sequence_processor",), ("dr_grpo", "probe_state"), ("training", "delta_entropy_is", "projection_arms"),
+          ("sequence_processor",), ("dr_grpo", "probe_state"), ("train_config",),
+          ("training", "delta_entropy_is", "projection_arms"),
           ("probes", "pools", "on_policy"),
           ("contributions", "decision", "trl_callback", "teachers"),
           ("phase2", "reports"), ("phase2_run", "phase3_run"), ("calibration", "plan"), ("experiments", "truth"),

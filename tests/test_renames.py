@@ -80,3 +80,25 @@ def test_token_stats_compute_rb_is_rb_and_full(recwarn):
     assert "compute_rb" in str(recwarn.pop(DeprecationWarning).message)
     new = token_stats(x, tokens, top_p=0.9, rb=True, full=True)
     for k in ("logq", "rb", "full"): assert torch.equal(old[k], new[k])
+
+
+def test_train_config_old_names_are_trls():
+    "TrainConfig's names before 0.1.0 give TRL's: length_norm's values are loss_type's ('max_len' = 'dr_grpo', 'sample'"
+    " = 'grpo'); the loss the loop takes is unchanged. Old keys in a saved config (a checkpoint's) map the same way."
+    from entropy_grpo.training import TrainConfig, renamed_config
+    old_new = [(dict(steps=3), dict(max_steps=3)), (dict(lr=1e-4), dict(learning_rate=1e-4)),
+               (dict(lr_scheduler="constant"), dict(lr_scheduler_type="constant_with_warmup")),
+               (dict(clip_eps=(0.2, 0.28)), dict(epsilon=0.2, epsilon_high=0.28)),
+               (dict(checkpoint_every=2), dict(save_steps=2)), (dict(length_norm="sample"), dict(loss_type="grpo")),
+               (dict(length_norm="max_len"), dict(loss_type="dr_grpo")),
+               (dict(length_norm="realized"), dict(loss_type="realized"))]
+    for old, new in old_new:
+        with pytest.warns(DeprecationWarning, match="is deprecated and goes in 0.2.0"):
+            cfg = TrainConfig(**old)
+        assert cfg == new_name_is_silent(lambda: TrainConfig(**new)), old
+    assert [TrainConfig(loss_type=t).length_norm for t in ("dr_grpo", "dapo", "grpo")] == ["max_len", "dapo", "sample"]
+    assert renamed_config(dict(length_norm="sample", steps=2), warn=False) == dict(loss_type="grpo", max_steps=2)
+    with pytest.raises(ValueError, match="loss_type='bnpo': expected one of"):
+        TrainConfig(loss_type="bnpo")
+    with pytest.raises(ValueError, match="length_norm= and loss_type= both given"):
+        TrainConfig(length_norm="sample", loss_type="grpo")

@@ -98,8 +98,8 @@ def test_a_run_killed_anywhere_resumes_with_each_step_logged_once(tiny, tmp_path
 def test_bad_config_and_non_finite_rewards(fresh_tiny):
     with pytest.raises(ValueError, match="prompts_per_step=0: expected an integer >= 1"):
         TrainConfig(prompts_per_step=0)
-    with pytest.raises(ValueError, match="length_norm='mean': expected one of"):
-        TrainConfig(length_norm="mean")
+    with pytest.raises(ValueError, match="loss_type='mean': expected one of"):
+        TrainConfig(loss_type="mean")
 
     class NaNTask(DigitTask):
         def grade_batch(self, responses, problems):
@@ -123,17 +123,29 @@ class _Keep:
                             grads={n: p.grad.clone() for n, p in ctx.model.named_parameters()}), self.path)
 
 
-def _worker(rank, world, port, out_dir):
+def _eos_prone(model, tok, boost=5.0):
+    "EOS's logit raised by `boost` (a hook on the head): completions of different lengths, one in four tokens an EOS."
+    def hook(module, args, out):
+        out = out.clone(); out[..., tok.eos_token_id] += boost; return out
+    model.lm_head.register_forward_hook(hook)
+    return model, tok
+
+
+def _worker(rank, world, port, out_dir, loss_type):
     with gloo_group(rank, world, port):
-        model, tok = tiny_policy(0, dtype=torch.float64)
-        res = train(model, tok, DigitTask(64), _cfg(max_steps=2, lora_r=None, learning_rate=1e-3), progress=False,
+        model, tok = _eos_prone(*tiny_policy(0, dtype=torch.float64))
+        res = train(model, tok, DigitTask(64), _cfg(max_steps=2, lora_r=None, learning_rate=1e-3, loss_type=loss_type),
+                    progress=False,
                     callbacks=[_Keep(os.path.join(out_dir, f"step0_rank{rank}.pt"))])
         torch.save(dict(params=dict(res.model.named_parameters()), records=res.records),
                    os.path.join(out_dir, f"final_rank{rank}.pt"))
 
 
-def test_two_processes_reduce_gradients_and_means(fresh_tiny64, tmp_path):
-    spawn_two(_worker, str(tmp_path))
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "dapo"])
+def test_two_processes_reduce_gradients_and_means(fresh_tiny64, tmp_path, loss_type):
+    "Ranks stay in sync and log global means; the step's gradient is the global loss's: Dr.GRPO's sum of the ranks'"
+    " parts over all 4 prompts, and DAPO's (TRL's default) every token over the tokens of both ranks."
+    spawn_two(_worker, str(tmp_path), loss_type)
     fin = [torch.load(tmp_path / f"final_rank{r}.pt", weights_only=False) for r in (0, 1)]
     for n, p in fin[0]["params"].items(): assert torch.equal(p, fin[1]["params"][n]), n     # ranks stay in sync
     untimed = lambda recs: [{k: v for k, v in r.items() if not k.startswith("time_")} for r in recs]
@@ -142,10 +154,17 @@ def test_two_processes_reduce_gradients_and_means(fresh_tiny64, tmp_path):
     s0 = [torch.load(tmp_path / f"step0_rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert s0[0]["batch"].shape[:2] == (2, 8) and s0[1]["batch"].shape[:2] == (2, 8)
     # one process: the gradient of the global loss is the sum of each rank's part, normalised by all 4 prompts
-    model, tok = fresh_tiny64
+    model, tok = _eos_prone(*fresh_tiny64)
     sp = SequenceProcessor(model, tok, _cfg().generation, progress=False)
     model.zero_grad()
-    for s in s0: policy_gradient_backward(sp, s["batch"], s["adv"], num_prompts=4)
+    n_tokens = sum(int(s["batch"].gen_lens.sum()) for s in s0)
+    assert int(s0[0]["batch"].gen_lens.sum()) != int(s0[1]["batch"].gen_lens.sum())   # the ranks' shares differ
+    for s in s0:
+        if loss_type == "dr_grpo": policy_gradient_backward(sp, s["batch"], s["adv"], num_prompts=4)
+        else:   # TRL's dapo at ratio 1: Σ over both ranks' tokens of −A·log q, ÷ their token count
+            res, _ = sp.teacher_force_logprobs(s["batch"], with_grad=True, compute_rb=False)
+            assert int(res.gen_mask.sum()) == int(s["batch"].gen_lens.sum())
+            (-(s["adv"][..., None] * res.logprobs * res.gen_mask).sum() / n_tokens).backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(s0[0]["grads"][n], p.grad, rtol=1e-10, atol=1e-14)
     rewards = torch.cat([s["rewards"] for s in s0])
@@ -169,6 +188,12 @@ def test_report_to_tensorboard_gets_every_records_numbers(fresh_tiny, tmp_path):
         got = [(e.step, e.value) for e in acc.Scalars(f"train/{key}")]
         assert got == [(r["step"] + 1, pytest.approx(r[key], rel=1e-6)) for r in res.records], key
     assert "train/arm" not in acc.Tags()["scalars"]
+    res = train(*fresh_tiny, DigitTask(64), _cfg(max_steps=3, report_to="tensorboard", logging_steps=2),
+                out_dir=tmp_path / "every2", progress=False)                  # TRL's logging_steps: window means
+    acc = EventAccumulator(str(next((tmp_path / "every2" / "runs").iterdir()))).Reload()
+    r = [x["loss"] for x in res.records]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == \
+        [(2, pytest.approx((r[0] + r[1]) / 2, rel=1e-6)), (3, pytest.approx(r[2], rel=1e-6))]
     test_fail(lambda: TrainConfig(report_to=["tensorboard", 3]), contains="report_to=['tensorboard', 3]")
     test_fail(lambda: train(*fresh_tiny, DigitTask(64), _cfg(max_steps=1, report_to="tensorboard"), progress=False),
               contains="needs an out_dir")
