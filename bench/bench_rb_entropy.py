@@ -6,6 +6,8 @@ On logits [N, V] of two kinds,
   V = 49152 — what teacher forcing meets in training;
 * `gauss`: a standard gaussian times a per-row scale spread over [2, 8], V = 49152 (SmolLM2's vocabulary) and 151936
   (Qwen's) — far flatter than a language model's (nuclei of up to tens of thousands of tokens), a stress case,
+* `flat`: a standard gaussian times one σ for every row (`--sigma`, default 1.5 and 2.5), the same two vocabularies —
+  what random or barely trained heads give at T 1.0: nuclei of most of the vocabulary,
 
 times
 
@@ -25,8 +27,9 @@ kept sets agree, and how many mask entries differ (a row whose nucleus mass land
 differ by its crossing token: the naive cumsum is float32 like the warper's, the fast sums float64). Never asserts on
 time.
 
-    python bench/bench_rb_entropy.py [--threads 1] [--repeats 5] [--N 256] [--logits smollm2 gauss]
-                                     [--V 49152 151936] [--top-p 0.9 0.95 1.0] [--temperature 0.7 1.0] [--seed 0]
+    python bench/bench_rb_entropy.py [--threads 1] [--repeats 5] [--N 256] [--logits smollm2 gauss flat]
+                                     [--V 49152 151936] [--sigma 1.5 2.5] [--top-p 0.9 0.95 1.0]
+                                     [--temperature 0.7 1.0] [--seed 0]
 """
 import argparse, os, platform, statistics, sys, time
 
@@ -145,7 +148,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds per configuration (median)")
     ap.add_argument("--N", type=int, default=256, help="positions (rows)")
-    ap.add_argument("--logits", nargs="+", choices=["smollm2", "gauss"], default=["smollm2", "gauss"])
+    ap.add_argument("--logits", nargs="+", choices=["smollm2", "gauss", "flat"], default=["smollm2", "gauss", "flat"])
+    ap.add_argument("--sigma", type=float, nargs="+", default=[1.5, 2.5], help="the flat logits' σ (one per case)")
     ap.add_argument("--V", type=int, nargs="+", default=[49152, 151936], help="vocabulary sizes of the gauss logits")
     ap.add_argument("--top-p", type=float, nargs="+", default=[0.9, 0.95, 1.0])
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.7, 1.0])
@@ -154,7 +158,9 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     cases = ([("smollm2", smollm2_logits(a.N, a.seed))] if "smollm2" in a.logits else []) + \
-            ([("gauss", lm_like_logits(a.N, V, a.seed)) for V in a.V] if "gauss" in a.logits else [])
+            ([("gauss", lm_like_logits(a.N, V, a.seed)) for V in a.V] if "gauss" in a.logits else []) + \
+            ([(f"flat σ {s}", lm_like_logits(a.N, V, a.seed, s, s)) for V in a.V for s in a.sigma]
+             if "flat" in a.logits else [])
     print(f"# {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}, N={a.N}, float32, median of {a.repeats}, "
           f"load average at start {os.getloadavg()[0]:.1f}\n")

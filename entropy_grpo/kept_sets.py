@@ -31,10 +31,12 @@ class _Nucleus:
     floor:Tensor   # [c] top-k threshold (−inf when off): TopP sorts the row with the tokens below it at −inf
     groups:list    # [(rows [g], idx [g, K])]: idx[j, :n[rows[j]]] are row j's kept tokens, every one above thr first
                    # (a window lists them most probable first, the histogram search in no particular order)
+    wide:Tensor|None=None  # split=True: rows a window found certainly past the next one, left to `_wide_sums`
 
 # %% ../nbs/01a_kept_sets.ipynb #927fa1e1
-def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=None) -> _Nucleus:
-    "Kept sets of x [c, V] (scaled logits, no grad): top-k windows, wide nuclei by histogram; lse [c] if known."
+def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=None, split:bool=False) -> _Nucleus:
+    "Kept sets of x [c, V] (scaled logits, no grad): top-k windows, wide nuclei by histogram (split: the widest left"
+    " in nuc.wide); lse [c] if known."
     c, V = x.shape
     k = min(max(top_k, min_keep), V)
     thresh = float(torch.tensor(1 - top_p, dtype=torch.float32))           # the warper compares float32 cumsums
@@ -44,7 +46,7 @@ def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=N
     if hist:                                                                  # row max; a [b, V] buffer
         m, buf = x.amax(-1), x.new_empty(min(c, max(1, _BLOCK // V)), V)
         if lse is None: lse = m + _exp_sums(x, m, buf).log()                  # as logsumexp, without [c, V] temporaries
-    rows, W, wide = torch.arange(c, device=x.device), min(V, (k if top_k else _WINDOW) + 1), []
+    rows, W, wide, sums = torch.arange(c, device=x.device), min(V, (k if top_k else _WINDOW) + 1), [], []
     while rows.numel():
         if hist and _HIST_AFTER < W < V: wide.append(rows); break
         xr = x if rows.numel() == c else x.index_select(0, rows)
@@ -69,8 +71,9 @@ def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=N
             nuc.groups.append((d, i[done][:, :int(nd.max())]))
         if hist and 8 * W < V:                                                # past the next window for certain
             far = ~done & (tail[:, -1] - (8 * W - cand.sum(-1)) * (v[:, -1] - v[:, 0]).exp() > thresh * tail[:, 0])
-            wide.append(rows[far]); done |= far
+            (sums if split else wide).append(rows[far]); done |= far
         rows, W = rows[~done], min(V, 8 * W)
+    if split: nuc.wide = torch.cat(sums) if sums else rows[:0]
     if wide and (wide := torch.cat(wide)).numel(): _hist_nucleus(x, wide, m, thresh, min_keep, nuc, buf)
     return nuc
 
@@ -171,11 +174,12 @@ def _positions(rows:Tensor, C:Tensor) -> Tensor:
     return torch.arange(len(rows), device=rows.device) - (C.cumsum(0) - C)[rows]
 
 # %% ../nbs/01a_kept_sets.ipynb #ac55b877
-def _hist_rows(x:Tensor, rows:Tensor, m:Tensor, thresh:float, bufs:tuple):
-    "Kept sets of rows [r] of x [c, V] by the histogram search: n, thr, tied [r]; kept tokens as (row, position, id)."
-    r, V = len(rows), x.shape[1]
-    lin, row, el, ci, B, T = _hist_block(x, rows, m, thresh, bufs)
-    rc, xc, pc = row[ci], x[rows[row[ci]], lin[ci] % V].double(), el[ci].double()
+def _crossing_token(rc:Tensor, xc:Tensor, pc:Tensor, B:Tensor, T:Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Each row's crossing token from its crossing bin's tokens (row ids rc [m], float64 logits xc and masses pc [m];
+    B [r] the mass below the bin, T [r] the removal threshold), the bin refined while a row holds more than `_LIMIT`:
+    the smallest kept logit thr, its mass, tied (the tokens equal to thr only partly kept) and q, how many of those
+    are kept [r]."""
+    r = len(B)
     while (level := _refine(rc, xc, pc, B, T)) is not None:
         stay, B = level
         rc, xc, pc = rc[stay], xc[stay], pc[stay]
@@ -187,15 +191,22 @@ def _hist_rows(x:Tensor, rows:Tensor, m:Tensor, thresh:float, bufs:tuple):
     pv[:, :L] = pv[:, :L].gather(1, o)
     tail = B[:, None] + pv.flip(-1).cumsum(-1).flip(-1)                      # mass at or below each candidate
     nc = torch.minimum((tail > T[:, None]).sum(-1).clamp_(min=1), C)          # as TopP: removed iff ≤ (1 − top_p)·Z
-    thr, ethr = v.gather(1, nc[:, None] - 1)[:, 0], pv.gather(1, nc[:, None] - 1)[:, 0].to(el.dtype)
+    thr, ethr = v.gather(1, nc[:, None] - 1)[:, 0], pv.gather(1, nc[:, None] - 1)[:, 0]
     tied = (nc < C) & (v.gather(1, nc.clamp(max=K - 1)[:, None])[:, 0] == thr)
-    et = ethr[row]
+    return thr, ethr, tied, nc - (v > thr[:, None]).sum(-1)
+
+def _hist_rows(x:Tensor, rows:Tensor, m:Tensor, thresh:float, bufs:tuple):
+    "Kept sets of rows [r] of x [c, V] by the histogram search: n, thr, tied [r]; kept tokens as (row, position, id)."
+    r, V = len(rows), x.shape[1]
+    lin, row, el, ci, B, T = _hist_block(x, rows, m, thresh, bufs)
+    thr, ethr, tied, q = _crossing_token(row[ci], x[rows[row[ci]], lin[ci] % V].double(), el[ci].double(), B, T)
+    et = ethr.to(el.dtype)[row]
     keep, a = el > et, (el == et).nonzero()[:, 0]                             # equal masses: decide by the logit
     xa, ra = x[rows[row[a]], lin[a] % V].double(), row[a]
     ka = xa >= thr[ra]
     if tied.any():                                                            # of a split tie the first q only
         eq = (xa == thr[ra]) & tied[ra]
-        Ce, q = torch.bincount(ra[eq], minlength=r), nc - (v > thr[:, None]).sum(-1)
+        Ce = torch.bincount(ra[eq], minlength=r)
         ka &= ~eq | (eq.cumsum(0) - 1 - (Ce.cumsum(0) - Ce)[ra] < q[ra])
     keep[a] = ka
     ki = keep.nonzero()[:, 0]
@@ -229,6 +240,64 @@ def _hist_nucleus(x:Tensor, rows:Tensor, m:Tensor, thresh:float, min_keep:int, n
         nuc.groups.append((rows[order[s:e]], idx[order[s:e], :int(ns[s])]))
         s = e
 
+# %% ../nbs/01a_kept_sets.ipynb #454efc0e
+_NB = (0x3F800000 >> _SHIFT) + 1   # level-0 bins of e ∈ [0, 1]: the row max in the last
+
+def _wide_block(x:Tensor, e:Tensor, m:Tensor, thresh:float, bufs:tuple) -> tuple:
+    "`_wide_sums` on a block of rows x [r, V] (e = e^{x − m}): thr, tied, q, z, s [r]. Every [r, V] result goes"
+    " into bufs (fresh memory page-faults: allocating them per block would cost as much as the arithmetic)."
+    r, V = x.shape
+    key, e64, f, y, hit = (t[:r] for t in bufs)
+    e64.copy_(e)                                                              # float64 bin sums
+    if _LITTLE: torch.bitwise_right_shift(e.float().view(torch.int32), _SHIFT, out=key.view(torch.int32)[:, 0::2])
+    else: key.copy_(e.float().view(torch.int32) >> _SHIFT)
+    h = e64.new_zeros(r, _NB).scatter_add_(1, key, e64)                       # mass per bin
+    ce = h.cumsum(-1)                                                         # mass at or below each bin
+    T = thresh * ce[:, -1]
+    b = (ce <= T[:, None]).sum(-1).clamp_(max=_NB - 1)                       # the crossing bin
+    at = lambda j: torch.where(j >= 0, ce.gather(1, j.clamp(min=0)[:, None])[:, 0], 0.)
+    lin = torch.eq(key, b[:, None], out=hit).view(-1).nonzero()[:, 0]       # its tokens
+    rc, xc, pc = lin // V, x.reshape(-1)[lin].double(), e64.view(-1)[lin]
+    thr, _, tied, q = _crossing_token(rc, xc, pc, at(b - 1), T)
+    eq = xc == thr[rc]
+    w = (xc > thr[rc]).double() + eq * (q / torch.bincount(rc[eq], minlength=r).clamp(min=1))[rc]
+    z = ce[:, -1] - at(b) + torch.zeros_like(T).index_add_(0, rc, pc * w)  # the bins above and the kept of bin b
+    thr = thr.to(x.dtype)
+    torch.ge(x, thr[:, None], out=f)                                          # 1 on S, 0 elsewhere (as x's dtype)
+    if (t := tied.nonzero()[:, 0]).numel(): f[t] = _wide_mask(x[t], thr[t], tied[t], q[t]).to(f.dtype)
+    mid = (torch.arange(_NB, device=x.device, dtype=torch.int32) << _SHIFT | 1 << _SHIFT - 1).view(torch.float32)
+    c = (m.double() + (h * mid.double().log()).sum(-1) / ce[:, -1]).to(x.dtype)   # ≈ the mass-weighted mean of x
+    torch.sub(x, c[:, None], out=y)                                           # centred: the float32 dot loses less
+    s = torch.bmm(f.mul_(e)[:, None], y[:, :, None])[:, 0, 0].double() + (c - m).double() * z   # Σ_S e·(x − m)
+    return thr, tied, q, z, s
+
+def _wide_mask(x:Tensor, thr:Tensor, tied:Tensor, q:Tensor) -> Tensor:
+    "[w, V] bool kept sets from `_wide_sums`' thresholds: x ≥ thr, the warper's order deciding a split tie."
+    keep = x >= thr[:, None]
+    t = tied.nonzero()[:, 0]
+    if t.numel():
+        keep[t] = _sorted_kept(x[t], (x[t] > thr[t, None]).sum(-1) + q[t], torch.full_like(thr[t], -math.inf))
+    return keep
+
+def _wide_sums(x:Tensor, e:Tensor, m:Tensor, thresh:float, tokens:Tensor|None=None) -> tuple:
+    """Top-p kept sets S of rows x [w, V] (scaled logits, no grad; e = e^{x − m}, m [w] the row max; T = thresh·Z) as
+    sums, never as lists: the smallest kept logit thr, tied, q, and z = Σ_S e (exact), s = Σ_S e·(x − m) [w], float64;
+    with tokens [w], a token outside S joins it, and outside [w] says which did (else None)."""
+    step = max(1, _BLOCK // x.shape[1])
+    b, V = min(step, len(x)), x.shape[1]
+    bufs = (torch.zeros(b, V, dtype=torch.long, device=x.device), x.new_empty(b, V, dtype=torch.float64),   # key (low
+            x.new_empty(b, V), x.new_empty(b, V), x.new_empty(b, V, dtype=torch.bool))        # halves), e, S, x − m
+    thr, tied, q, z, s = (torch.cat(t) for t in zip(*[_wide_block(x[i:i + step], e[i:i + step], m[i:i + step],
+                                                                  thresh, bufs) for i in range(0, len(x), step)]))
+    if tokens is None: return thr, tied, q, z, s, None
+    xy = x.gather(1, tokens[:, None])[:, 0]
+    outside = xy < thr
+    t = (tied & (xy == thr)).nonzero()[:, 0]
+    if t.numel(): outside[t] = ~_wide_mask(x[t], thr[t], tied[t], q[t]).gather(1, tokens[t, None])[:, 0]
+    y = (xy - m).double()
+    ey = torch.where(outside, y.exp(), 0.)
+    return thr, tied, q, z + ey, s + ey * y, outside
+
 # %% ../nbs/01a_kept_sets.ipynb #f253be33
 def _mask_lists(keep:Tensor) -> Tensor:
     "Token-id lists [c, K] (−1 padded) of an explicit kept set keep [c, V] bool."
@@ -240,12 +309,14 @@ def _mask_lists(keep:Tensor) -> Tensor:
     idx[r, torch.arange(r.numel(), device=keep.device) - (n.cumsum(0) - n)[r]] = col
     return idx
 
-def _kept_indices(x:Tensor, top_p:float, top_k:int, lse:Tensor|None=None, min_keep:int=1, chunk_size:int=64) -> Tensor:
+def _kept_indices(x:Tensor, top_p:float, top_k:int, lse:Tensor|None=None, min_keep:int=1, chunk_size:int=64,
+                  split:bool=False) -> Tensor|tuple[Tensor, Tensor]:
     """The warpers' kept sets of x [c, V] (scaled logits, no grad) as token ids [c, K_max], −1 padded, without a
-    [c, V] mask; lse [c] = x.logsumexp(-1) if known. Rows with a split tie list the warper's choice among the ties."""
+    [c, V] mask; lse [c] = x.logsumexp(-1) if known. Rows with a split tie list the warper's choice among the ties.
+    split: also the wide rows [w] (no list: their kept sets are `_wide_sums`' business)."""
     starts = range(0, x.shape[0], chunk_size)
-    nucs = [_nucleus(x[s:s + chunk_size], top_p, top_k, min_keep, None if lse is None else lse[s:s + chunk_size])
-            for s in starts]
+    nucs = [_nucleus(x[s:s + chunk_size], top_p, top_k, min_keep, None if lse is None else lse[s:s + chunk_size],
+                     split) for s in starts]
     n = torch.cat([u.n for u in nucs]) if nucs else x.new_zeros(0, dtype=torch.long)
     idx = torch.full((x.shape[0], int(n.max()) if nucs else 0), -1, dtype=torch.long, device=x.device)
     for s, u in zip(starts, nucs):
@@ -254,7 +325,9 @@ def _kept_indices(x:Tensor, top_p:float, top_k:int, lse:Tensor|None=None, min_ke
         if t.numel():
             ti = _mask_lists(_sorted_kept(x[s + t], u.n[t], u.floor[t]))
             idx[s + t, :ti.shape[1]] = ti
-    return idx.masked_fill_(torch.arange(idx.shape[1], device=x.device) >= n[:, None], -1)
+    idx.masked_fill_(torch.arange(idx.shape[1], device=x.device) >= n[:, None], -1)
+    if not split: return idx
+    return idx, torch.cat([s + u.wide for s, u in zip(starts, nucs)]) if nucs else n
 
 def _listed_mask(idx:Tensor, V:int) -> Tensor:
     "[c, V] bool of −1-padded token-id lists idx [c, K]."

@@ -11,7 +11,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .utils import check_range
-from .kept_sets import _kept_indices, _listed_mask, _mask_lists
+from .kept_sets import (_BLOCK, _HIST_AFTER, _kept_indices, _listed_mask, _mask_lists, _wide_mask,
+                                    _wide_sums)
 
 # %% auto #0
 __all__ = ['check_sampling', 'warped_logits', 'naive_sampling_mask', 'warped_logq', 'enumerate_entropy', 'token_stats',
@@ -106,6 +107,34 @@ class _FullStats(torch.autograd.Function):
                                                                           0.)) / ctx.temperature
         return grad, None, None
 
+# %% ../nbs/01_rb_entropy.ipynb #f7a670d4
+class _KeptStats(torch.autograd.Function):
+    "(log Z_S, H_S, outside) of rows x [w, V] (scaled logits) over their top-p kept sets S; a token outside S joins."
+    @staticmethod
+    def forward(ctx, x, e, m, thresh, tokens):                  # e = e^{x − m} [w, V], m [w] the row max
+        thr, tied, q, z, s, outside = _wide_sums(x.detach(), e, m, thresh, tokens)
+        lse, H = (m.double() + z.log()).to(x.dtype), (z.log() - s / z).to(x.dtype)
+        outside = torch.zeros_like(thr, dtype=torch.bool) if outside is None else outside
+        tok = torch.zeros_like(outside, dtype=torch.long) if tokens is None else tokens
+        ctx.save_for_backward(x, thr, tied, q, lse, H, tok, outside)
+        ctx.mark_non_differentiable(outside)
+        return lse, H, outside
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_lse, g_H, _):
+        x, thr, tied, q, lse, H, tok, outside = ctx.saved_tensors
+        grad, step = torch.empty_like(x), max(1, _BLOCK // x.shape[1])
+        for i in range(0, len(x), step):
+            sl = slice(i, i + step)
+            keep = _wide_mask(x[sl], thr[sl], tied[sl], q[sl])
+            o = outside[sl].nonzero()[:, 0]
+            keep[o, tok[sl][o]] = True
+            logq = x[sl] - lse[sl, None]
+            p = torch.where(keep, logq.exp(), 0.)
+            grad[sl] = p * (g_lse[sl, None] - g_H[sl, None] * torch.where(p > 0, logq + H[sl, None], 0.))
+        return grad, None, None, None, None
+
 # %% ../nbs/01_rb_entropy.ipynb #6621fcd9
 def token_stats(
     x:Tensor,                  # [c, V] float32 (or float64) logits / temperature; gradients flow to them
@@ -124,23 +153,22 @@ def token_stats(
         warnings.warn("token_stats(compute_rb=) is now rb= and full=", DeprecationWarning, stacklevel=2)
         rb = full = compute_rb
     truncated = support is not None or top_p < 1 or top_k > 0
+    sums = support is None and not return_support and not top_k and top_p < 1 and min_keep <= _HIST_AFTER
     if full or (rb and not truncated): lse, h_full = _FullStats.apply(x, 1.0, 64)
-    else: lse, h_full = (x.detach() if truncated else x).logsumexp(-1), None
+    else: lse, h_full = None if sums else (x.detach() if truncated else x).logsumexp(-1), None
     lse_s, h, idx, out = lse, h_full, None, {}
     if truncated:
+        e = m = wide = None
+        if sums:                                     # wide rows as sums, through e = e^{x − m}, which gives lse too
+            m = x.detach().amax(-1)
+            e = (x.detach() - m[:, None]).exp_()
+            if lse is None: lse = m + e.sum(-1).log()
         lse = lse.detach()                           # log q and H over S do not depend on the full lse
-        idx = support if support is not None else _kept_indices(x.detach(), top_p, top_k, lse, min_keep)
-        if tokens is not None:
-            outside = ~(idx == tokens[:, None]).any(-1)
-            if outside.any(): idx = torch.cat([idx, tokens.masked_fill(~outside, -1)[:, None]], 1)   # never excluded
-            out["outside"] = outside
-        valid = idx >= 0
-        rows = torch.arange(x.shape[0], device=x.device)[:, None]
-        y = x[rows, idx.clamp(min=0)] - lse[:, None]   # [c, K] log p of the kept tokens (indexing, not gather: its
-                                                        # backward keeps no [c, V] copy of x)
-        e = torch.where(valid, y.exp(), 0.)
-        z = e.sum(-1)
-        lse_s, h = lse + z.log(), z.log() - torch.where(valid, e * y, 0.).sum(-1) / z
+        if support is not None: idx = support
+        elif sums: idx, wide = _kept_indices(x.detach(), top_p, 0, lse, min_keep, split=True)
+        else: idx = _kept_indices(x.detach(), top_p, top_k, lse, min_keep)
+        lse_s, h, outside, idx = _truncated_stats(x, lse, idx, wide, tokens, top_p, e, m)
+        if tokens is not None: out["outside"] = outside
     if tokens is not None:
         x_y = x[torch.arange(x.shape[0], device=x.device), tokens]
         out["logq"] = x_y - lse_s
@@ -150,6 +178,35 @@ def token_stats(
     if full: out["full"] = h_full
     if return_support: out["support"] = idx
     return out
+
+# %% ../nbs/01_rb_entropy.ipynb #6471f24c
+def _listed_stats(x:Tensor, lse:Tensor, idx:Tensor, tokens:Tensor|None) -> tuple:
+    "(log Z_S, H_S, outside, the lists used) of rows x [c, V] over kept sets listed in idx [c, K] (−1 padded); a token"
+    " outside its set joins it."
+    outside = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    if tokens is not None:
+        outside = ~(idx == tokens[:, None]).any(-1)
+        if outside.any(): idx = torch.cat([idx, tokens.masked_fill(~outside, -1)[:, None]], 1)   # never excluded
+    valid = idx >= 0
+    rows = torch.arange(x.shape[0], device=x.device)[:, None]
+    y = x[rows, idx.clamp(min=0)] - lse[:, None]   # [c, K] log p of the kept tokens (indexing, not gather: its
+                                                    # backward keeps no [c, V] copy of x)
+    e = torch.where(valid, y.exp(), 0.)
+    z = e.sum(-1)
+    return lse + z.log(), z.log() - torch.where(valid, e * y, 0.).sum(-1) / z, outside, idx
+
+def _truncated_stats(x, lse, idx, wide, tokens, top_p, e=None, m=None) -> tuple:
+    "(log Z_S, H_S, outside) [c] and the lists: listed rows by `_listed_stats`, wide rows [w] (None: none) by sums."
+    if wide is None or not wide.numel(): return _listed_stats(x, lse, idx, tokens)
+    c, thresh, wide = x.shape[0], float(torch.tensor(1 - top_p, dtype=torch.float32)), wide.sort().values
+    is_wide = torch.zeros(c, dtype=torch.bool, device=x.device).index_fill_(0, wide, True)
+    pick = (lambda t: t) if len(wide) == c else (lambda t: t[wide])         # every row wide: no [w, V] copies
+    parts = [(wide, *_KeptStats.apply(pick(x), pick(e), pick(m), thresh, None if tokens is None else pick(tokens)))]
+    if (rows := (~is_wide).nonzero()[:, 0]).numel():
+        listed = _listed_stats(x[rows], lse[rows], idx[rows], None if tokens is None else tokens[rows])
+        parts.append((rows, *listed[:3]))
+    order = torch.cat([p[0] for p in parts]).argsort()
+    return *(torch.cat([p[j] for p in parts])[order] for j in (1, 2, 3)), idx
 
 # %% ../nbs/01_rb_entropy.ipynb #2e6e1551
 def _chunks(logits:Tensor, temperature, chunk_size, keep, tokens=None):

@@ -193,3 +193,47 @@ def test_two_step_topk(k):
         v, i = ks._topk(x, k)
         assert torch.equal(v, x.topk(k, dim=-1).values) and torch.equal(x.gather(1, i), v)
         assert (i.sort(-1).values.diff(dim=-1) > 0).all()                   # distinct tokens
+
+
+def test_wide_rows_as_sums_gradcheck_ties_and_outside_tokens(monkeypatch):
+    "Every row wide, so no kept-token list at all (`_wide_sums`, `_KeptStats`): H and log q pass gradcheck, a token"
+    " outside its kept set joins it (flagged), and a split tie counts its kept share — against explicit masks."
+    monkeypatch.setattr(ks, "_HIST_AFTER", 0)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 200, generator=g, dtype=torch.float64) * torch.tensor([0.3, 1., 2., .5, 1.5]).double()[:, None]
+    keep = warped64(x, 0.9)
+    rows = torch.arange(5)
+    tok = torch.where(rows < 3, (~keep).double().multinomial(1, generator=g)[:, 0], keep.double().argmax(-1))
+    assert torch.autograd.gradcheck(lambda z: rb_entropy(z, top_p=0.9), (x.clone().requires_grad_(),))
+    logq = lambda z: sampling_logprobs(z, tok, top_p=0.9, include_tokens=True)
+    assert torch.autograd.gradcheck(lambda z: logq(z)[0], (x.clone().requires_grad_(),))
+    joined = keep.clone(); joined[rows, tok] = True
+    lq, outside = logq(x)
+    assert outside.tolist() == [True, True, True, False, False]
+    torch.testing.assert_close(lq, truncated_log_softmax(x, keep=joined)[rows, tok])
+    grid = (x * 4).round() / 4                                              # ties straddle the boundary
+    keep = warped64(grid, 0.9)
+    assert ((grid == grid.masked_fill(~keep, math.inf).amin(-1, keepdim=True)) & ~keep).any()   # a split tie
+    q = truncated_log_softmax(grid, keep=keep).exp()
+    torch.testing.assert_close(rb_entropy(grid, top_p=0.9), -(q * q.log().nan_to_num(0, 0, 0)).sum(-1))
+
+
+def test_wide_and_listed_rows_come_back_in_order():
+    "Rows decided by windows (listed) and wide rows (sums) interleaved, and wide rows handed over in any order (the"
+    " search may find them at different windows): entropies and log q return row by row."
+    from entropy_grpo.rb_entropy import _truncated_stats
+    x = gauss(64, [8., 1.5, 8., 0.3] * 16, seed=11)
+    wide = _kept_indices(x, 0.95, 0, x.logsumexp(-1), split=True)[1]
+    assert 0 < len(wide) < 64
+    t = torch.randint(0, V, (64,), generator=torch.Generator().manual_seed(12))
+    torch.testing.assert_close(rb_entropy(x, top_p=0.95), naive_rb_entropy(x, top_p=0.95))
+    keep = warped64(x, 0.95)
+    got, outside = sampling_logprobs(x, t, top_p=0.95, include_tokens=True)
+    keep[torch.arange(64), t] = True
+    torch.testing.assert_close(got, truncated_log_softmax(x, keep=keep)[torch.arange(64), t])
+    x = gauss(8, 1.5, seed=13)                                              # every row wide, handed over shuffled
+    m = x.amax(-1); e = (x - m[:, None]).exp(); lse = m + e.sum(-1).log()
+    idx = torch.full((8, 1), -1)
+    shuffled = torch.randperm(8, generator=torch.Generator().manual_seed(1))
+    H = _truncated_stats(x, lse, idx, shuffled, None, 0.95, e, m)[1]
+    torch.testing.assert_close(H, naive_rb_entropy(x, top_p=0.95))
