@@ -34,12 +34,16 @@ class _Nucleus:
     wide:Tensor|None=None  # split=True: rows a window found certainly past the next one, left to `_wide_sums`
 
 # %% ../nbs/01a_kept_sets.ipynb #927fa1e1
+def _removal_mass(top_p:float) -> float:
+    "1 − top_p as the warper compares it: a float32 (its cumsums are float32), handed on as a Python float."
+    return float(torch.tensor(1 - top_p, dtype=torch.float32))
+
 def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=None, split:bool=False) -> _Nucleus:
     "Kept sets of x [c, V] (scaled logits, no grad): top-k windows, wide nuclei by histogram (split: the widest left"
     " in nuc.wide); lse [c] if known."
     c, V = x.shape
     k = min(max(top_k, min_keep), V)
-    thresh = float(torch.tensor(1 - top_p, dtype=torch.float32))           # the warper compares float32 cumsums
+    thresh = _removal_mass(top_p)
     nuc = _Nucleus(x.new_zeros(c, dtype=torch.long), x.new_empty(c), x.new_zeros(c, dtype=torch.bool),
                    x.new_full((c,), -math.inf), [])
     hist = top_p < 1 and not top_k                                            # wide nuclei go to _hist_nucleus

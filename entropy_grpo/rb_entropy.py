@@ -11,8 +11,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .utils import check_range
-from .kept_sets import (_BLOCK, _HIST_AFTER, _kept_indices, _listed_mask, _mask_lists, _wide_mask,
-                                    _wide_sums)
+from .kept_sets import (_BLOCK, _HIST_AFTER, _kept_indices, _listed_mask, _mask_lists, _removal_mass,
+                                    _wide_mask, _wide_sums)
 
 # %% auto #0
 __all__ = ['check_sampling', 'warped_logits', 'naive_sampling_mask', 'warped_logq', 'enumerate_entropy', 'token_stats',
@@ -198,7 +198,7 @@ def _listed_stats(x:Tensor, lse:Tensor, idx:Tensor, tokens:Tensor|None) -> tuple
 def _truncated_stats(x, lse, idx, wide, tokens, top_p, e=None, m=None) -> tuple:
     "(log Z_S, H_S, outside) [c] and the lists: listed rows by `_listed_stats`, wide rows [w] (None: none) by sums."
     if wide is None or not wide.numel(): return _listed_stats(x, lse, idx, tokens)
-    c, thresh, wide = x.shape[0], float(torch.tensor(1 - top_p, dtype=torch.float32)), wide.sort().values
+    c, thresh, wide = x.shape[0], _removal_mass(top_p), wide.sort().values
     is_wide = torch.zeros(c, dtype=torch.bool, device=x.device).index_fill_(0, wide, True)
     pick = (lambda t: t) if len(wide) == c else (lambda t: t[wide])         # every row wide: no [w, V] copies
     parts = [(wide, *_KeptStats.apply(pick(x), pick(e), pick(m), thresh, None if tokens is None else pick(tokens)))]
