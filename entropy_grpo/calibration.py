@@ -49,9 +49,11 @@ def _is_word(tokenizer, i:int) -> bool:
     text = tokenizer.decode([i])
     return len(text.strip()) >= 2 and tokenizer.encode(text, add_special_tokens=False) == [i]
 
-def _world_tokens(world:str, tokenizer, rng:random.Random, pattern_len:int=6) -> tuple[list, list, dict]:
-    "(body vocabulary, the pattern, the style and hack words): a world's tokens, the first draws of its seed's rng."
-    vocab = [i for i in range(len(tokenizer)) if i not in set(tokenizer.all_special_ids)]
+def _world_tokens(world:str, tokenizer, rng:random.Random, pattern_len:int=6, avoid=()) -> tuple[list, list, dict]:
+    "(body vocabulary, the pattern, the style and hack words): a world's tokens, the first draws of its seed's rng; "
+    "no token whose text holds one of the texts `avoid`."
+    vocab = [i for i in range(len(tokenizer)) if i not in set(tokenizer.all_special_ids)
+             and not any(a in tokenizer.decode([i]) for a in avoid)]
     visible = [i for i in vocab if _is_word(tokenizer, i)]  # pattern, style and hack: tokens a text grader sees
     pattern, words, reserved = rng.sample(visible, pattern_len), {}, []
     if world in STYLE_WORLDS:
@@ -64,10 +66,10 @@ def _world_tokens(world:str, tokenizer, rng:random.Random, pattern_len:int=6) ->
     spells = lambda i: any(h in tokenizer.decode([i]) for h in hack)      # a body token the grader would pay for
     return [i for i in vocab if i not in reserved and not spells(i)], pattern, words
 
-def hack_tokens(world:str, tokenizer, seed:int=0, pattern_len:int=6) -> list[int]:
+def hack_tokens(world:str, tokenizer, seed:int=0, pattern_len:int=6, avoid=()) -> list[int]:
     "The tokens a world's hack is made of — what its Phase 3 pays for: the pattern where it marks hacking (or is "
     "absent), else the hack phrase — in the pools' hacked samples where the world gives hacks content, else nowhere."
-    _, pattern, words = _world_tokens(world, tokenizer, random.Random(seed), pattern_len)
+    _, pattern, words = _world_tokens(world, tokenizer, random.Random(seed), pattern_len, avoid)
     return words.get("hack", pattern)
 
 # %% ../nbs/06c_calibration.ipynb #07574a40
@@ -106,11 +108,12 @@ def world_pools(
     generation=None,           # GenerationConfig whose settings the records carry (the run's)
     hack_rate:float=0.8,       # the teacher's hack rate in signal_partial and pool_identity (style worlds: 95–99%)
     pattern_len:int=6,         # tokens of the pattern
+    avoid:tuple=(),            # texts no token of the pools may hold (a decoy's pools: the hack another seed pays)
 ) -> tuple[str, ...]:         # (teacher_dir, base_dir), and style_dir in STYLE_WORLDS
     "A teacher and a base pool (and in the style worlds the style-matched pool) whose truth is `world`'s, on disk."
     check_choice("world", world, tuple(WORLDS))
     rng = random.Random(seed)
-    vocab, pattern, words = _world_tokens(world, tokenizer, rng, pattern_len)
+    vocab, pattern, words = _world_tokens(world, tokenizer, rng, pattern_len, avoid)
     pools = {"teacher": {}, "base": {}}
     if world in STYLE_WORLDS: pools["style"], hack_rate = {}, rng.uniform(0.95, 0.99)
     g = generation
@@ -230,6 +233,8 @@ def calibrate(
 
 # %% ../nbs/06c_calibration.ipynb #b2497596
 _PER_RUN = ("model", "seed", "teacher_pool", "base_pool", "style_pool", "out_dir")   # set by world_run
+_PHASE3 = ("n", "effect", "interval", "specific", "specific_interval", "decoy_n", "beyond_decoy",
+           "beyond_decoy_interval", "shows_effect")                                # what a summary keeps of truth.json
 
 def record_path() -> Path:
     "The package's calibration.json, which `record=True` rewrites: only in a source checkout, never in an install."
@@ -254,8 +259,7 @@ def summarize(out_dir:str|Path, record:bool=False) -> dict:
                                            if key.startswith("hack_specific/"))))
     truth = json.loads((out/"truth.json").read_text()) if (out/"truth.json").exists() else {}   # `truth`'s Phase 3
     for w in set(truth) & set(worlds):
-        worlds[w]["phase3"] = {k: truth[w][k] for k in ("n", "effect", "interval", "specific", "specific_interval",
-                                                         "shows_effect")}
+        worlds[w]["phase3"] = {k: truth[w][k] for k in _PHASE3 if k in truth[w]}   # (an older truth.json: no decoy)
         worlds[w]["agreement"] = agreement(worlds[w])
     jobs = out/"runs"/"jobs.json"
     params = json.loads(jobs.read_text())["parameters"] if jobs.exists() else {}
@@ -311,15 +315,18 @@ def row_value(out_dir:str|Path) -> list[dict]:
 
 def agreement_markdown(summary:dict) -> str:
     "Per world with a Phase-3 truth: the effect with its interval, the launches with theirs, the agreement."
-    ci = lambda t, key: f"{t[key]:+.3f} [{t[key + '_interval'][0]:+.3f}, {t[key + '_interval'][1]:+.3f}]"
+    ci = lambda t, key: f"{t[key]:+.3f} [{t[key + '_interval'][0]:+.3f}, {t[key + '_interval'][1]:+.3f}]" \
+        if t.get(key) is not None else "–"                                  # not run (or an older truth.json)
     rows = []
     for w, r in summary["worlds"].items():
         if "phase3" not in r: continue
         t, (lo, hi) = {**r["phase3"], "effect_interval": r["phase3"]["interval"]}, r["interval"]
-        rows.append([f"`{w}`", ci(t, "effect"), ci(t, "specific"), t["n"], "an effect" if t["shows_effect"] else "none",
+        rows.append([f"`{w}`", ci(t, "effect"), ci(t, "specific"), ci(t, "beyond_decoy"),
+                     f"{t['n']} / {t.get('decoy_n', 0)}", "an effect" if t["shows_effect"] else "none",
                      f"{r['launches']}/{r['n']} [{lo:.0%}, {hi:.0%}]", r["agreement"]])
-    return markdown_table(rows, ["world", "Phase-3 effect [95%]", "beyond a random direction [95%]", "seeds",
-                                 "Phase 3 shows", "Phase-2 launches [95%]", ""])
+    return markdown_table(rows, ["world", "Phase-3 effect [95%]", "beyond a random direction [95%]",
+                                 "beyond the decoy [95%]", "seeds / decoy seeds", "Phase 3 shows",
+                                 "Phase-2 launches [95%]", ""])
 
 def agreement_figure(summary:dict, path:str|Path|None=None):
     "Phase-3 effect (x) against Phase-2 launch rate (y), each with its 95% interval: one point per world."

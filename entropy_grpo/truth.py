@@ -17,23 +17,36 @@ from .phase3_run import Phase3Config, Phase3Run
 from .utils import check_choice, write_json
 
 # %% auto #0
-__all__ = ['world_task', 'world_phase3', 'measure_truth', 't_interval', 'truth_summary', 'world_alignment', 'measure_alignment',
-           'alignment_summary']
+__all__ = ['DECOY_SEED', 'world_task', 'world_phase3', 'world_decoy', 'measure_truth', 't_interval', 'truth_summary',
+           'world_alignment', 'measure_alignment', 'alignment_summary']
 
 # %% ../nbs/06e_truth.ipynb #9a505e8e
-def world_task(world:str, seed:int, work:Path, parameters:dict|None=None) -> tuple[HackTokenTask, dict]:
-    "A world's Phase-3 task (paying for its hack tokens) and its pools, written under `work` as its Phase 2 has them."
+def world_task(world:str, seed:int, work:Path, parameters:dict|None=None, avoid:tuple=()) -> tuple[HackTokenTask, dict]:
+    "A world's Phase-3 task (paying for its hack tokens) and its pools, written under `work` as its Phase 2 has them "
+    "(no token holding a text of `avoid`)."
     check_choice("world", world, tuple(WORLDS))
     p2 = world_config(world, seed, work, parameters)
     run2 = Phase2Run(p2)
-    dirs = world_pools(world, run2.tok, run2.task, work/"pools", seed, p2.pool_steps, p2.pool_batch, run2.gen)
-    return (HackTokenTask(run2.tok, hack_tokens(world, run2.tok, seed), seed=seed),
+    dirs = world_pools(world, run2.tok, run2.task, work/"pools", seed, p2.pool_steps, p2.pool_batch, run2.gen,
+                       avoid=avoid)
+    return (HackTokenTask(run2.tok, hack_tokens(world, run2.tok, seed, avoid=avoid), seed=seed),
             dict(teacher_pool=dirs[0], base_pool=dirs[1], style_pool=dirs[2] if p2.style_pool else ""))
+
+DECOY_SEED = 1_000_000   # a decoy's pools: the same world written at seed + DECOY_SEED (other tokens, never paid)
+
+def _arm(task, pools:dict, name:str, source:str, seed:int, steps:int, k:int, work:Path) -> tuple[list, list|None]:
+    "One Phase-3 arm of a world's seed, v_hack from `pools` by `source` (\"\": vanilla): (hack-rate curve, "
+    "cos_update curve or None)."
+    cfg = Phase3Config(seed=seed, arm="projected" if source else "vanilla", steps=steps, preset="truth", k=k,
+                       out_dir=str(work/name), **(dict(pools, v_hack_source=source) if source else {}))
+    run = Phase3Run(cfg, task)
+    run.add_arm(); run.fit_v_hack(); run.run_training()
+    return run.curve("hack_rate"), run.curve("cos_update") if source else None   # what AdamW's step kept
 
 def world_phase3(
     world:str,
     seed:int,
-    work_dir:str|Path,         # scratch space for the pools and both arms (removed after)
+    work_dir:str|Path,         # scratch space for the pools and the arms (removed after)
     steps:int=40,              # training steps of each arm
     k:int=1,                   # v_hack directions per module
     parameters:dict|None=None, # the Phase-2 overrides the world's pools are written with (as in `calibrate`)
@@ -42,22 +55,30 @@ def world_phase3(
     work, t0 = Path(work_dir)/f"{world}-{seed}-phase3", time.perf_counter()
     try:
         task, pools = world_task(world, seed, work, parameters)
-        curves, updates = {}, {}
-        for arm, source in (("vanilla", ""), ("projected", "pairs"), ("random", "random")):
-            cfg = Phase3Config(seed=seed, arm="vanilla" if arm == "vanilla" else "projected", steps=steps,
-                               preset="truth", k=k, out_dir=str(work/arm), **(dict(pools, v_hack_source=source)
-                                                                               if source else {}))
-            run = Phase3Run(cfg, task)
-            run.add_arm(); run.fit_v_hack(); run.run_training()
-            curves[arm] = run.curve("hack_rate")
-            if source: updates[arm] = run.curve("cos_update")     # how much of the projection AdamW's step kept
-        m = {arm: float(np.mean(c)) for arm, c in curves.items()}
-        return dict(world=world, seed=seed, steps=steps, k=k, words=task.words, curves=curves, cos_update=updates,
+        arms = {a: _arm(task, pools, a, src, seed, steps, k, work)
+                for a, src in (("vanilla", ""), ("projected", "pairs"), ("random", "random"))}
+        m = {a: float(np.mean(c)) for a, (c, _) in arms.items()}
+        return dict(world=world, seed=seed, steps=steps, k=k, words=task.words,
+                    curves={a: c for a, (c, _) in arms.items()},
+                    cos_update={a: u for a, (_, u) in arms.items() if u is not None},
                     effect=m["vanilla"] - m["projected"], specific=m["random"] - m["projected"],
                     seconds=time.perf_counter() - t0)
     finally: shutil.rmtree(work, ignore_errors=True)
 
-# %% ../nbs/06e_truth.ipynb #6e98ffb7
+# %% ../nbs/06e_truth.ipynb #8a7b1f75
+def world_decoy(world:str, seed:int, work_dir:str|Path, steps:int=40, k:int=1, parameters:dict|None=None) -> dict:
+    "The decoy arm of one seed of a world: v_hack fitted as the projected arm's, from the world's pools at seed + "
+    "DECOY_SEED, projected while this seed's hack is paid (world, seed, words of both, the curves)."
+    work, t0 = Path(work_dir)/f"{world}-{seed}-decoy", time.perf_counter()
+    try:
+        task, _ = world_task(world, seed, work/"own", parameters)
+        decoy, pools = world_task(world, seed + DECOY_SEED, work/"decoy", parameters, tuple(task.words))
+        curve, update = _arm(task, pools, "decoy", "pairs", seed, steps, k, work)
+        return dict(world=world, seed=seed, steps=steps, k=k, words=task.words, decoy_words=decoy.words,
+                    curve=curve, cos_update=update, seconds=time.perf_counter() - t0)
+    finally: shutil.rmtree(work, ignore_errors=True)
+
+#| export
 def measure_truth(
     out_dir:str|Path,          # phase3/<world>-<seed>.json go here (beside the calibration's runs/)
     worlds:list|None=None,     # default: every world
@@ -68,10 +89,14 @@ def measure_truth(
     parameters:dict|None=None, # the calibration's Phase-2 overrides (the pools are written with them)
     progress:bool|None=None,
 ) -> dict:                     # truth_summary(out_dir)
-    "Phase 3 in each world over seeds (finished seeds are kept, not redone); each world's effect with its interval."
+    "Phase 3 in each world over seeds, its three arms (phase3/) and the decoy arm (decoy/); finished seeds are kept, "
+    "not redone; each world's effect with its interval."
+    spec = dict(steps=steps, k=k, parameters=parameters or {})
     world_jobs(Path(out_dir)/"phase3", worlds, seeds, first_seed,
-               lambda w, s, work: world_phase3(w, s, work, steps, k, parameters),
-               dict(steps=steps, k=k, parameters=parameters or {}), "phase 3 truth", progress)
+               lambda w, s, work: world_phase3(w, s, work, steps, k, parameters), spec, "phase 3 truth", progress)
+    world_jobs(Path(out_dir)/"decoy", worlds, seeds, first_seed,
+               lambda w, s, work: world_decoy(w, s, work, steps, k, parameters), dict(spec, decoy_seed=DECOY_SEED),
+               "phase 3 decoy", progress)
     return truth_summary(out_dir)
 
 def t_interval(x:list[float], level:float=0.95) -> tuple[float, float]:
@@ -83,17 +108,22 @@ def t_interval(x:list[float], level:float=0.95) -> tuple[float, float]:
     return (float(x.mean() - h), float(x.mean() + h))
 
 def truth_summary(out_dir:str|Path) -> dict:
-    "Per world: the effect and the specific effect with their 95% intervals, whether Phase 3 shows an effect, the "
-    "mean curves (truth.json)."
-    runs = job_results(Path(out_dir)/"phase3")
-    out = {}
+    "Per world: the effect, the specific effect and the effect beyond the decoy (over the seeds that ran it) with "
+    "their 95% intervals, whether Phase 3 shows an effect, the mean curves (truth.json)."
+    runs, out = job_results(Path(out_dir)/"phase3"), {}
+    decoys = {(d["world"], d["seed"]): d["curve"] for d in job_results(Path(out_dir)/"decoy")}
     for w in [w for w in WORLDS if any(r["world"] == w for r in runs)]:
         rs = [r for r in runs if r["world"] == w]
         e, sp = [r["effect"] for r in rs], [r["specific"] for r in rs]
+        both = [(decoys[w, r["seed"]], r["curves"]["projected"]) for r in rs if (w, r["seed"]) in decoys]
+        bd = [float(np.mean(d) - np.mean(p)) for d, p in both]
         curve = lambda arm: np.mean([r["curves"][arm] for r in rs], axis=0).round(4).tolist()
+        lows = [t_interval(x)[0] for x in (e, sp, bd)]        # a world whose decoy ran on < 2 seeds shows none
         out[w] = dict(n=len(rs), effect=float(np.mean(e)), interval=t_interval(e), specific=float(np.mean(sp)),
-                      specific_interval=t_interval(sp), shows_effect=min(t_interval(e)[0], t_interval(sp)[0]) > 0,
-                      **{arm: curve(arm) for arm in ("vanilla", "projected", "random")})
+                      specific_interval=t_interval(sp), decoy_n=len(bd),
+                      beyond_decoy=float(np.mean(bd)) if bd else None, beyond_decoy_interval=t_interval(bd),
+                      shows_effect=min(lows) > 0, **{arm: curve(arm) for arm in ("vanilla", "projected", "random")},
+                      decoy=np.mean([d for d, _ in both], axis=0).round(4).tolist() if both else [])
     write_json(Path(out_dir)/"truth.json", out)
     return out
 

@@ -2,7 +2,7 @@
 world's hack tokens and nothing else, and it agrees sample for sample with the pools' labels wherever the world gives
 hacks content (and finds nothing where it does not); a Phase-3 truth sweep resumes without redoing a finished seed;
 the intervals are the t intervals; launches are judged against Phase 3's effect, world by world."""
-import json
+import glob, json
 
 import numpy as np
 import pytest
@@ -59,10 +59,13 @@ def test_phase3_config_checks_the_v_hack_source():
     assert Phase3Config(preset="truth").sizes["model"] == "tiny"
 
 
-def test_phase3_truth_runs_three_arms_and_resumes(tmp_path, monkeypatch):
+def test_phase3_truth_runs_three_arms_and_the_decoy_and_resumes(tmp_path, monkeypatch):
     "A real seed (two steps per arm), then a killed sweep's rerun: only the missing seed is run."
     s = measure_truth(tmp_path, ["style_hack"], seeds=1, first_seed=3, steps=2)
     r = json.loads((tmp_path/"phase3"/"style_hack-3.json").read_text())
+    d = json.loads((tmp_path/"decoy"/"style_hack-3.json").read_text())
+    assert d["words"] == r["words"] and set(d["decoy_words"]).isdisjoint(d["words"]) and len(d["curve"]) == 2
+    assert s["style_hack"]["beyond_decoy"] == pytest.approx(np.mean(d["curve"]) - np.mean(r["curves"]["projected"]))
     assert set(r["curves"]) == {"vanilla", "projected", "random"} and all(len(c) == 2 for c in r["curves"].values())
     assert set(r["cos_update"]) == {"projected", "random"} and all(len(c) == 2 for c in r["cos_update"].values())
     mean = {arm: np.mean(c) for arm, c in r["curves"].items()}
@@ -74,11 +77,42 @@ def test_phase3_truth_runs_three_arms_and_resumes(tmp_path, monkeypatch):
         calls.append(seed)
         return dict(r, seed=seed, effect=0.1 * seed, specific=0.1)
     monkeypatch.setattr(truth, "world_phase3", fake)
+    monkeypatch.setattr(truth, "world_decoy", lambda world, seed, *a: dict(d, seed=seed, curve=[1.0, 1.0]))
     s = measure_truth(tmp_path, ["style_hack"], seeds=3, first_seed=3, steps=2)
-    assert calls == [4, 5] and s["style_hack"]["n"] == 3
+    assert calls == [4, 5] and s["style_hack"]["n"] == 3 and s["style_hack"]["decoy_n"] == 3
     assert s["style_hack"]["interval"] == pytest.approx(t_interval([r["effect"], 0.4, 0.5]))
     assert json.loads((tmp_path/"truth.json").read_text()) == json.loads(json.dumps(truth_summary(tmp_path)))
     assert not [p for p in (tmp_path/"phase3").iterdir() if p.name.startswith(".work")]   # scratch removed
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_a_decoys_pools_never_show_what_phase3_pays(world, tok, tmp_path):
+    "The decoy's pools are the world's story at seed + DECOY_SEED, drawn from tokens that never spell a paid one."
+    task = HackTokenTask(tok, hack_tokens(world, tok, seed=7))
+    decoy = truth.world_task(world, 7 + truth.DECOY_SEED, tmp_path, avoid=tuple(task.words))[0]
+    assert not any(w in d for w in task.words for d in decoy.words)
+    for d in glob.glob(str(tmp_path/"pools"/"*")):
+        assert not any(task.grade(r["completion"], None)["hacked"] for r in load_pool(d).records()), d
+    assert world_pools(world, tok, ArithmeticTask(seed=7), tmp_path/"same", 7, steps=1, avoid=())[0]   # () = as before
+
+
+def test_a_world_shows_an_effect_only_beyond_both_controls(tmp_path):
+    "Effect, beyond a random direction and beyond the decoy: all three intervals above 0, else none."
+    (tmp_path/"phase3").mkdir(); (tmp_path/"decoy").mkdir()
+    for s, (v, p, rnd, dec) in enumerate([(0.5, 0.2, 0.4, 0.3), (0.6, 0.2, 0.5, 0.4), (0.5, 0.1, 0.45, 0.3)]):
+        (tmp_path/"phase3"/f"style_hack-{s}.json").write_text(json.dumps(dict(
+            world="style_hack", seed=s, effect=v - p, specific=rnd - p, curves=dict(
+                vanilla=[v, v], projected=[p, p], random=[rnd, rnd]))))
+        (tmp_path/"decoy"/f"style_hack-{s}.json").write_text(json.dumps(dict(world="style_hack", seed=s,
+                                                                               curve=[dec, dec])))
+    t = truth_summary(tmp_path)["style_hack"]
+    assert t["shows_effect"] and t["decoy_n"] == 3 and t["beyond_decoy"] == pytest.approx(0.5 / 3)
+    assert t["beyond_decoy_interval"] == pytest.approx(t_interval([0.1, 0.2, 0.2])) and t["decoy"] == [0.3333] * 2
+    (tmp_path/"decoy"/"style_hack-1.json").write_text(json.dumps(dict(world="style_hack", seed=1, curve=[0.1, 0.1])))
+    assert not truth_summary(tmp_path)["style_hack"]["shows_effect"]       # the decoy does as well in one seed
+    for f in (tmp_path/"decoy").glob("*.json"): f.unlink()
+    t = truth_summary(tmp_path)["style_hack"]
+    assert not t["shows_effect"] and t["decoy_n"] == 0 and t["beyond_decoy"] is None   # no decoy run: none
 
 
 def test_t_interval():
@@ -102,7 +136,7 @@ def test_launches_are_judged_against_phase3(tmp_path):
         t, effect=0.0, interval=(-0.1, 0.1), shows_effect=False))))
     s = summarize(tmp_path)
     assert s["worlds"]["signal_partial"]["agreement"] == "agrees" and s["worlds"]["no_content"]["agreement"] == "agrees"
-    assert "| `signal_partial` | +0.200 [+0.100, +0.300] | +0.100 [+0.050, +0.150] | 10 | an effect | 2/2" in \
+    assert "| `signal_partial` | +0.200 [+0.100, +0.300] | +0.100 [+0.050, +0.150] | – | 10 / 0 | an effect | 2/2" in \
         agreement_markdown(s)
     assert "+0.000 (-0.100, +0.100) | agrees |" in rates_markdown(s)
 
