@@ -41,7 +41,8 @@ pytest: setup
 test: export-check nbtest pytest
 
 # The runs of record, committed under runs/ (each command re-runs its report; finished calibration jobs are kept; ~7 h
-# of one CPU core, most of it the calibration: 720 Phase-2 runs × ~15 s, 234 Phase-3 seeds × ~50 s):
+# of one CPU core, most of it the calibration: 720 Phase-2 runs × ~15 s, 234 Phase-3 seeds × ~50 s and their decoy
+# arms × ~15 s):
 # the demo, the Phase-2 decision's calibration, a Phase-1 probe and a small Phase-3 sweep with its summary.
 POOLS := runs/demo/0-projected/pools
 record: setup
