@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "entropy_grpo"
-LAYERS = [("utils", "dist", "kept_sets", "report_to"), ("policies", "tasks", "rb_entropy", "adapters", "checkpoints"),
+LAYERS = [("utils", "dist", "kept_sets", "report_to"), ("policies", "tasks", "rb_entropy", "adapters", "checkpoints",
+           "predictors"),
           ("sequence_processor",), ("dr_grpo", "probe_state"), ("train_config",),
           ("training", "delta_entropy_is", "projection_arms"),
           ("probes", "pools", "on_policy"),
