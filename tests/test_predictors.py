@@ -6,7 +6,7 @@ import pytest
 import torch
 from fastcore.test import test_fail
 
-from entropy_grpo.predictors import discriminator_delta_entropy, logit_stats
+from entropy_grpo.predictors import covariance_delta_entropy, discriminator_delta_entropy, logit_stats
 
 
 def by_hand(row:list[float], k:int, T:float) -> dict:
@@ -69,3 +69,28 @@ def test_sgd_on_the_logits_the_discriminator_is_delta_h1():
         assert pred.tolist() == pytest.approx((gH * dZ).sum(-1).tolist(), abs=1e-12)   # position by position
         gaps.append(abs(float(H(Z + dZ).sum() - H(Z).sum()) - float(pred.sum())))
     assert gaps[0] / gaps[1] == pytest.approx(4, rel=0.1)
+
+
+def test_covariance_formula_by_hand_and_equal_to_delta_h1_under_its_step():
+    "−lr Cov_{a∼p}(log p_a, A_a) by hand on V 4; every logit moved by lr × its advantage: equal to ⟨∇H, Δz⟩ (1e-12), "
+    "the true change O(lr²) away."
+    z, A = [1.0, 0.2, -0.4, -1.1], [0.5, -1.0, 2.0, 0.0]
+    e = [math.exp(x) for x in z]
+    p = [x / sum(e) for x in e]
+    lp = [math.log(q) for q in p]
+    mean = lambda x: sum(q * v for q, v in zip(p, x))
+    cov = mean([l * a for l, a in zip(lp, A)]) - mean(lp) * mean(A)
+    got = covariance_delta_entropy(torch.tensor(z, dtype=torch.float64), torch.tensor(A, dtype=torch.float64), 0.1)
+    assert float(got) == pytest.approx(-0.1 * cov, rel=1e-12)
+    g = torch.Generator().manual_seed(3)
+    Z, Adv = torch.randn(5, 9, generator=g, dtype=torch.float64), torch.randn(5, 9, generator=g, dtype=torch.float64)
+    H = lambda Z: -(Z.softmax(-1) * Z.log_softmax(-1)).sum(-1)
+    Zg = Z.clone().requires_grad_()
+    gH = torch.autograd.grad(H(Zg).sum(), Zg)[0]
+    gaps = []
+    for lr in (0.1, 0.05):
+        pred = covariance_delta_entropy(Z, Adv, lr)
+        assert pred.tolist() == pytest.approx((gH * lr * Adv).sum(-1).tolist(), abs=1e-12)
+        gaps.append(abs(float(H(Z + lr * Adv).sum() - H(Z).sum() - pred.sum())))
+    assert gaps[0] / gaps[1] == pytest.approx(4, rel=0.1)
+    test_fail(lambda: covariance_delta_entropy(Z, Adv[:, :3], 0.1), contains="advantages (5, 3)", exc=ValueError)
