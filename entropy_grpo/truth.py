@@ -65,7 +65,7 @@ def world_phase3(
                     seconds=time.perf_counter() - t0)
     finally: shutil.rmtree(work, ignore_errors=True)
 
-# %% ../nbs/06e_truth.ipynb #8a7b1f75
+# %% ../nbs/06e_truth.ipynb #a6c9ffe0
 def world_decoy(world:str, seed:int, work_dir:str|Path, steps:int=40, k:int=1, parameters:dict|None=None) -> dict:
     "The decoy arm of one seed of a world: v_hack fitted as the projected arm's, from the world's pools at seed + "
     "DECOY_SEED, projected while this seed's hack is paid (world, seed, words of both, the curves)."
@@ -78,7 +78,7 @@ def world_decoy(world:str, seed:int, work_dir:str|Path, steps:int=40, k:int=1, p
                     curve=curve, cos_update=update, seconds=time.perf_counter() - t0)
     finally: shutil.rmtree(work, ignore_errors=True)
 
-#| export
+# %% ../nbs/06e_truth.ipynb #8a7b1f75
 def measure_truth(
     out_dir:str|Path,          # phase3/<world>-<seed>.json go here (beside the calibration's runs/)
     worlds:list|None=None,     # default: every world
