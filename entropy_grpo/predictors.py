@@ -26,7 +26,7 @@ def logit_stats(
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)}: expected logits [..., V] "
                          f"and tokens [...] of the same leading shape")
-    z, k = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)
+    z, k = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1).to(logits.device)
     out = {key: torch.empty(k.shape, dtype=torch.float64, device=logits.device) for key in ("H", "logp", "S", "S_bar")}
     for s in range(0, len(k), block):
         logp = (z[s:s + block].double() / temperature).log_softmax(-1)

@@ -3,6 +3,7 @@ world's hack tokens and nothing else, and it agrees sample for sample with the p
 hacks content (and finds nothing where it does not); a Phase-3 truth sweep resumes without redoing a finished seed;
 the intervals are the t intervals; launches are judged against Phase 3's effect, world by world."""
 import glob, json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -93,7 +94,9 @@ def test_a_decoys_pools_never_show_what_phase3_pays(world, tok, tmp_path):
     assert not any(w in d for w in task.words for d in decoy.words)
     for d in glob.glob(str(tmp_path/"pools"/"*")):
         assert not any(task.grade(r["completion"], None)["hacked"] for r in load_pool(d).records()), d
-    assert world_pools(world, tok, ArithmeticTask(seed=7), tmp_path/"same", 7, steps=1, avoid=())[0]   # () = as before
+    phase3 = Path(truth.__file__).parents[1]/"runs"/"calibration"/"phase3"          # written before `avoid` existed
+    record = json.loads((phase3/f"{world}-2000.json").read_text())
+    assert HackTokenTask(tok, hack_tokens(world, tok, seed=2000)).words == record["words"]   # drawn as before `avoid`
 
 
 def test_a_world_shows_an_effect_only_beyond_both_controls(tmp_path):
