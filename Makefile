@@ -40,7 +40,7 @@ pytest: setup
 
 test: export-check nbtest pytest
 
-# The runs of record, committed under runs/ (each command re-runs its report; finished calibration jobs are kept; ~7 h
+# The runs of record, committed under runs/ (each command re-runs its report; finished calibration jobs are kept; ~10 h
 # of one CPU core, most of it the calibration: 720 Phase-2 runs × ~15 s, 234 Phase-3 seeds × ~50 s and their decoy
 # arms × ~15 s):
 # the demo, the Phase-2 decision's calibration, a Phase-1 probe and a small Phase-3 sweep with its summary.
@@ -58,6 +58,8 @@ record: setup
 	$(BIN)/entropy-grpo calibrate --seeds 80 --out runs/calibration -p first_seed=2000 -p record=True
 	$(BIN)/python -c "from entropy_grpo.truth import measure_truth; measure_truth('runs/calibration/k8', \
 	    ['signal_partial', 'no_content', 'style_hack', 'style_only'], seeds=8, first_seed=2000, k=8)"
+	# the predictor scorecard: SmolLM2, 20 steps per (optimizer, top_p), each setting kept when it finishes (~3 h)
+	$(BIN)/python -c "from entropy_grpo.scorecard import record_scorecard; record_scorecard('runs/scorecard')"
 	$(BIN)/entropy-grpo phase1 --out runs/phase1 -p pool_steps=12 \
 	    -p teacher_pool="'$(POOLS)/teacher'" -p base_pool="'$(POOLS)/base'"
 	$(BIN)/entropy-grpo sweep --out runs/phase3 --seeds 0 --arms vanilla projected --steps 5 --force \

@@ -4,7 +4,7 @@
 
 # %% ../nbs/06c_calibration.ipynb #01824188
 from __future__ import annotations
-import json, math, random, shutil, tempfile
+import json, random, shutil, tempfile
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
@@ -14,12 +14,13 @@ from .phase2_run import Phase2Config, Phase2Run
 from .pools import write_jsonl_gz
 from .reports import checkout, git_sha
 from .tasks import ArithmeticTask
-from .utils import check_choice, check_range, json_default, markdown_table, tqdm_disable, write_json
+from .utils import (check_choice, check_range, json_default, markdown_table, tqdm_disable, wilson,
+                                write_json)
 
 # %% auto #0
-__all__ = ['WORLDS', 'STYLE_WORLDS', 'hack_tokens', 'HackTokenTask', 'world_pools', 'world_config', 'world_run', 'wilson',
-           'world_jobs', 'job_results', 'check_worlds', 'calibrate', 'record_path', 'summarize', 'calibration_figure',
-           'agreement', 'row_value', 'agreement_markdown', 'agreement_figure']
+__all__ = ['WORLDS', 'STYLE_WORLDS', 'hack_tokens', 'HackTokenTask', 'world_pools', 'world_config', 'world_run', 'world_jobs',
+           'job_results', 'check_worlds', 'calibrate', 'record_path', 'summarize', 'calibration_figure', 'agreement',
+           'row_value', 'agreement_markdown', 'agreement_figure']
 
 # %% ../nbs/06c_calibration.ipynb #c93aa587
 WORLDS = {  # world: (what is true, the answer it needs: "launch" or "no launch")
@@ -171,12 +172,7 @@ def world_run(
                     rows=run.rows, seconds=sum(run.timings.values()))
     finally: shutil.rmtree(work, ignore_errors=True)
 
-def wilson(k:int, n:int, z:float=1.96) -> tuple[float, float]:
-    "The Wilson score interval of k successes in n trials (95% by default)."
-    if n == 0: return (0.0, 1.0)
-    p, d = k / n, 1 + z * z / n
-    c, h = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (max(0.0, c - h), min(1.0, c + h))
+
 
 # %% ../nbs/06c_calibration.ipynb #20544a63
 def world_jobs(

@@ -8,14 +8,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .dist import all_reduce_sum
 from .utils import check_range
 
 # %% auto #0
-__all__ = ['logit_stats', 'discriminator_delta_entropy', 'covariance_delta_entropy']
+__all__ = ['logit_stats', 'sampled_stats', 'discriminator_delta_entropy', 'covariance_delta_entropy', 'step_predictors']
 
 # %% ../nbs/04d_predictors.ipynb #22ea86fe
 def logit_stats(
-    logits:Tensor,              # [..., V] raw logits of each position
+    logits:Tensor,              # [..., V] raw logits of each position (−inf outside a kept set: its truncated q)
     tokens:Tensor,              # [...] the realised token of each position
     temperature:float=1.0,      # the softmax is of logits / temperature
     block:int=256,              # positions per float64 block (memory: block × V × 8 bytes, a few times)
@@ -31,12 +32,23 @@ def logit_stats(
     for s in range(0, len(k), block):
         logp = (z[s:s + block].double() / temperature).log_softmax(-1)
         p = logp.exp()
-        H = -(p * logp).sum(-1)
+        plogp = torch.where(p > 0, p * logp, 0.)                     # 0 · log 0 = 0 outside a kept set
+        H = -plogp.sum(-1)
         lpk = logp.gather(-1, k[s:s + block, None]).squeeze(-1)
         out["H"][s:s + block], out["logp"][s:s + block] = H, lpk
         out["S"][s:s + block] = lpk.exp() * (H + lpk)
-        out["S_bar"][s:s + block] = (p * p * (H[:, None] + logp)).sum(-1)
+        out["S_bar"][s:s + block] = (p * (H[:, None] * p + plogp)).sum(-1)
     return {key: v.reshape(tokens.shape) for key, v in out.items()}
+
+def sampled_stats(
+    res,                        # LogprobResults of teacher forcing with disc=True: the sampled distribution q
+) -> dict[str, Tensor]:         # float64 [B, G, T_gen] each (0 at padding): H, logp, S, S_bar as `logit_stats`
+    "`logit_stats` of the distribution a policy samples from (top-k/top-p kept set, temperature), from one teacher-"
+    "forcing pass: S̄ = H Σ q² + Σ q² log q."
+    if res.q2 is None: raise ValueError("res has no Σ q² sums: score the batch with teacher_force_logprobs(disc=True)")
+    m = res.gen_mask
+    H, lq = res.rb_entropies.double() * m, res.logprobs.detach().double() * m
+    return dict(H=H, logp=lq, S=lq.exp() * (H + lq) * m, S_bar=(H * res.q2 + res.q2_logq) * m)
 
 def discriminator_delta_entropy(
     stats:dict,                 # logit_stats of the update batch's positions
@@ -59,3 +71,25 @@ def covariance_delta_entropy(
     logp = logits.double().log_softmax(-1)
     p, A = logp.exp(), advantages.to(logp)
     return -lr * ((p * logp * A).sum(-1) - (p * logp).sum(-1) * (p * A).sum(-1))
+
+# %% ../nbs/04d_predictors.ipynb #6e882097
+def step_predictors(
+    stats:dict,                 # sampled_stats (or logit_stats) of the update batch's positions, float64 [B, G, T]
+    weights:Tensor,             # [B, G, T] w_t = −∂loss/∂log q_t of the step's loss (0 at padding)
+    mask:Tensor,                # [B, G, T] bool: completion positions
+    lr:float,                   # the step's learning rate
+) -> dict:                      # discriminator, covariance: predicted ΔH of a sequence (nats); n_tokens, n_sequences
+    "Wang et al.'s and Cui et al.'s first-order entropy change of one step on the update batch, per sequence, "
+    "reduced over every process."
+    if not (stats["S"].shape == weights.shape == mask.shape):
+        raise ValueError(f"stats {tuple(stats['S'].shape)}, weights {tuple(weights.shape)} and mask "
+                         f"{tuple(mask.shape)}: expected one [B, G, T] shape")
+    m = mask.to(stats["S"])
+    w, lq = weights.to(m) * m, stats["logp"] * m
+    disc = -(lr * w * (stats["S"] - stats["S_bar"]) * m).sum()
+    n_seq = m.new_tensor(float(m.shape[0] * m.shape[1]))
+    s = all_reduce_sum([torch.stack([disc, (lq * w).sum(), lq.sum(), w.sum(), m.sum(), n_seq])])[0]
+    n = float(s[4])
+    cov = float(s[1]) / n - float(s[2]) / n * float(s[3]) / n
+    return dict(discriminator=float(s[0] / s[5]), covariance=-lr * cov * n / float(s[5]), n_tokens=int(n),
+                n_sequences=int(s[5]))

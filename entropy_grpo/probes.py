@@ -292,10 +292,11 @@ def first_order_delta_entropy(
 
 # %% ../nbs/04_probes.ipynb #7f49d3e7
 def _check_training_optimizer(opt:torch.optim.Optimizer, c:TrainConfig):
-    "The optimizer `train` builds for config `c`: AdamW with its betas, eps and weight decay."
+    "The optimizer `train` builds for config `c`: AdamW with its betas, eps and weight decay, or SGD."
     g, opt = opt.param_groups[0], base_optimizer(opt)
     got = (type(opt).__name__, tuple(g.get("betas", ())), g.get("eps"), g.get("weight_decay"))
-    want = ("AdamW", (c.adam_beta1, c.adam_beta2), c.adam_epsilon, c.weight_decay)
+    want = ("SGD", (), None, c.weight_decay) if c.optim == "sgd" else \
+        ("AdamW", (c.adam_beta1, c.adam_beta2), c.adam_epsilon, c.weight_decay)
     if got != want:
         raise ValueError(f"optimizer (type, betas, eps, weight_decay)={got}: train_config's update uses {want}; the "
                          "probe would not measure the training update")

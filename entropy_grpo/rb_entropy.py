@@ -147,13 +147,15 @@ def token_stats(
     return_support:bool=False, # the kept sets used (support, or the searched ones)
     min_keep:int=1,            # min_tokens_to_keep
     compute_rb:bool|None=None, # the old name of rb= and full= together (kept one release)
-) -> dict:                     # logq, outside [c] (with tokens); rb [c]; full, logp_full [c]; support [c, K]
+    disc:bool=False,           # Σ q² and Σ q² log q over each kept set (the entropy discriminator's baseline)
+) -> dict:                     # logq, outside [c] (with tokens); rb [c]; full, logp_full [c]; support [c, K]; q2,
+                               # q2logq [c] float64 (disc)
     "log q of the realised tokens, RB and full-vocabulary entropies, and the kept sets, for one chunk of positions."
     if compute_rb is not None:
         warnings.warn("token_stats(compute_rb=) is now rb= and full=", DeprecationWarning, stacklevel=2)
         rb = full = compute_rb
     truncated = support is not None or top_p < 1 or top_k > 0
-    sums = support is None and not return_support and not top_k and top_p < 1 and min_keep <= _HIST_AFTER
+    sums = not disc and support is None and not return_support and not top_k and top_p < 1 and min_keep <= _HIST_AFTER
     if full or (rb and not truncated): lse, h_full = _FullStats.apply(x, 1.0, 64)
     else: lse, h_full = None if sums else (x.detach() if truncated else x).logsumexp(-1), None
     lse_s, h, idx, out = lse, h_full, None, {}
@@ -177,7 +179,16 @@ def token_stats(
     if rb: out["rb"] = h
     if full: out["full"] = h_full
     if return_support: out["support"] = idx
+    if disc: out["q2"], out["q2logq"] = _square_sums(x.detach(), lse_s.detach(), idx)
     return out
+
+def _square_sums(x:Tensor, lse_s:Tensor, idx:Tensor|None) -> tuple[Tensor, Tensor]:
+    "(Σ q², Σ q² log q) [c] in float64 over the kept sets listed in idx [c, K] (−1 padded; None: every token), with "
+    "log q = x − lse_s."
+    y = x if idx is None else x[torch.arange(x.shape[0], device=x.device)[:, None], idx.clamp(min=0)]
+    y = y.double() - lse_s.double()[:, None]
+    q2 = (2 * y).exp() if idx is None else torch.where(idx >= 0, (2 * y).exp(), 0.)
+    return q2.sum(-1), torch.where(q2 > 0, q2 * y, 0.).sum(-1)
 
 # %% ../nbs/01_rb_entropy.ipynb #6471f24c
 def _listed_stats(x:Tensor, lse:Tensor, idx:Tensor, tokens:Tensor|None) -> tuple:

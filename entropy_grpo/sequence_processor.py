@@ -112,6 +112,8 @@ class LogprobResults:
     full_entropies:Tensor|None=None      # [B, G, T_gen] full-vocabulary entropy of logits / T (diagnostic), detached
     full_logprobs:Tensor|None=None       # [B, G, T_gen] full-vocabulary log p(y_t) of logits / T, detached
     outside_support:Tensor|None=None     # [B, G, T_gen] bool: y_t lay outside its kept set (then put back in; counted)
+    q2:Tensor|None=None                  # [B, G, T_gen] float64 Σ q² over the kept set (teacher forcing with disc=True)
+    q2_logq:Tensor|None=None             # [B, G, T_gen] float64 Σ q² log q over the kept set (disc=True)
 
     @property
     def entropies(self) -> Tensor:
@@ -178,7 +180,7 @@ class _HeadScorer(nn.Module):
     def __init__(self, model): super().__init__(); self.model = model
 
     def forward(self, input_ids, attention_mask, gen_mask, cfg:GenerationConfig, compute_rb, rb_grad, support,
-                return_support, checkpoint):
+                return_support, checkpoint, disc=False):
         position_ids = attention_mask.long().cumsum(-1) - 1   # as `generate` does with left padding
         position_ids = position_ids.masked_fill(attention_mask == 0, 1)
         hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
@@ -191,7 +193,7 @@ class _HeadScorer(nn.Module):
             def score(hc, sl=sl):
                 x = _scaled(_final_logits(self.model, head(hc)), cfg.temperature, inplace=True)   # one [c, V] tensor
                 return token_stats(x, tokens[sl], cfg.top_p, cfg.top_k, None if support is None else support[sl],
-                                   rb=compute_rb, full=compute_rb, return_support=return_support)
+                                   rb=compute_rb, full=compute_rb, return_support=return_support, disc=disc)
             ckpt = lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)
             chunks.append(ckpt(score, h[sl]) if checkpoint else score(h[sl]))
         out = {k: torch.cat([c[k] for c in chunks]) for k in chunks[0] if k != "support"}
@@ -313,13 +315,14 @@ def teacher_force_logprobs(
     return_support:bool=False, # put the kept sets used into diagnostics["support"]
     checkpoint:bool|None=None, # recompute each head chunk in backward (default: with_grad)
     rb_grad:bool|None=None,    # RB entropies carry the graph (with_grad only); default config.rb_requires_grad
+    disc:bool=False,           # also Σ q² and Σ q² log q of each kept set (the entropy discriminator's baseline)
 )->tuple[LogprobResults, dict]:
     "Score the completions of `seqs` under the sampling distribution; chunked over sequences and head positions."
     cfg, (B, G, T), t0 = self.config, seqs.shape, time.time()
     rb_grad = with_grad and (cfg.rb_requires_grad if rb_grad is None else rb_grad)
     with (nullcontext() if with_grad else torch.no_grad()):
         parts = self._microbatches(seqs, compute_rb, rb_grad, params_override, support, return_support,
-                                   with_grad if checkpoint is None else checkpoint)
+                                   with_grad if checkpoint is None else checkpoint, disc)
     rows, cols, Tg = torch.cat(parts["rows"]), torch.cat(parts["cols"]), T - int(min(seqs.prompt_lens))
     def place(key):
         vals = torch.cat(parts[key])
@@ -333,7 +336,8 @@ def teacher_force_logprobs(
                          rb_entropies=None if rb is None else rb.detach(),
                          gen_mask=mask, rb_entropies_torch=rb if rb_grad else None,
                          full_entropies=place("full") if compute_rb else None,
-                         full_logprobs=place("logp_full") if compute_rb else None, outside_support=outside)
+                         full_logprobs=place("logp_full") if compute_rb else None, outside_support=outside,
+                         **({"q2": place("q2"), "q2_logq": place("q2logq")} if disc else {}))
     diag = dict(n_tokens=int(mask.sum()), n_outside_support=int(outside.sum()), seconds=time.time() - t0,
                 n_microbatches=math.ceil(B * G / cfg.tf_batch_size))
     if return_support:
@@ -343,7 +347,7 @@ def teacher_force_logprobs(
 # %% ../nbs/00_sequence_processor.ipynb #ce6ae906
 @patch
 def _microbatches(self:SequenceProcessor, seqs, compute_rb, rb_grad, params_override, support, return_support,
-                  checkpoint) -> dict:
+                  checkpoint, disc=False) -> dict:
     "Per microbatch of tf_batch_size sequences: completion positions (rows, cols) and their token_stats, as lists."
     cfg, (B, G, T) = self.config, seqs.shape
     flat_ids = seqs.sequences.reshape(B * G, T).to(self.device)
@@ -352,7 +356,8 @@ def _microbatches(self:SequenceProcessor, seqs, compute_rb, rb_grad, params_over
     gmask = completion_mask(flat_ids, flat_attn, starts, self.eos_token_id)
     scorer = _HeadScorer(self.model)
     over = None if params_override is None else {"model." + k: v for k, v in params_override.items()}
-    parts = {k: [] for k in ("rows", "cols", "logq", "outside", "rb", "full", "logp_full", "support")}
+    parts = {k: [] for k in ("rows", "cols", "logq", "outside", "rb", "full", "logp_full", "support", "q2",
+                             "q2logq")}
     offset = 0
     for s in tqdm(range(0, B * G, cfg.tf_batch_size), desc="teacher-force", disable=tqdm_disable(self.progress),
                   mininterval=5):
@@ -362,7 +367,7 @@ def _microbatches(self:SequenceProcessor, seqs, compute_rb, rb_grad, params_over
         n_tok = int(m[:, lo + 1:hi].sum())
         sup = None if support is None else support[offset:offset + n_tok]
         args = (flat_ids[s:s + cfg.tf_batch_size, lo:hi], a[:, lo:hi], m[:, lo:hi], cfg, compute_rb, rb_grad, sup,
-                return_support, checkpoint)
+                return_support, checkpoint, disc)
         rows, pos, st = torch.func.functional_call(scorer, over, args) if over is not None else scorer(*args)
         offset += n_tok
         parts["rows"].append(rows + s); parts["cols"].append(pos + lo - starts[rows + s])
@@ -371,6 +376,7 @@ def _microbatches(self:SequenceProcessor, seqs, compute_rb, rb_grad, params_over
             parts["rb"].append(st["rb"] if rb_grad else st["rb"].detach())
             parts["full"].append(st["full"].detach()); parts["logp_full"].append(st["logp_full"])
         if return_support: parts["support"].append(st["support"])
+        if disc: parts["q2"].append(st["q2"]); parts["q2logq"].append(st["q2logq"])
     return parts
 
 # %% ../nbs/00_sequence_processor.ipynb #cbeedd8e

@@ -17,7 +17,8 @@ from .utils import check_choice, check_range
 # %% auto #0
 __all__ = ['OPS', 'INSTRUCTION', 'HINT', 'LEAKY_HINT', 'Problem', 'make_arithmetic_problems', 'build_prompt', 'extract_answer',
            'to_number', 'numbers_in', 'number_equal', 'math_equal', 'lenient_match', 'RewardLevels', 'grade',
-           'GradedBatch', 'grade_batch', 'parse_answer', 'load_jsonl_problems', 'Task', 'ArithmeticTask', 'JsonlTask']
+           'GradedBatch', 'grade_batch', 'parse_answer', 'load_jsonl_problems', 'Task', 'ArithmeticTask', 'DigitTask',
+           'JsonlTask']
 
 # %% ../nbs/00b_tasks.ipynb #00686507
 @dataclass(frozen=True)
@@ -265,6 +266,13 @@ class ArithmeticTask(Task):
                  reward_levels:RewardLevels|None=None, system:str|None=None):
         super().__init__(make_arithmetic_problems(n, seed, n_operands, max_value, ops), number_equal, reward_levels,
                          system)
+
+class DigitTask(ArithmeticTask):
+    "Arithmetic prompts; reward = the share of the reply's characters that are digits, no grader: a reward even a "
+    "random tiny policy earns some of, with spread inside each group (tests, and the notebooks' tiny training runs)."
+    def grade_batch(self, responses:list[list[str]], problems:list[Problem]) -> GradedBatch:
+        recs = [[dict(reward=sum(c.isdigit() for c in r) / max(len(r), 1)) for r in row] for row in responses]
+        return GradedBatch(torch.tensor([[r["reward"] for r in row] for row in recs]), recs)
 
 class JsonlTask(Task):
     "A pool of problems from a JSONL question/answer file, graded with math-verify."

@@ -15,12 +15,13 @@ from .sequence_processor import GenerationConfig
 from .utils import check_choice, check_range
 
 # %% auto #0
-__all__ = ['LOSS_TYPES', 'LOSS_TYPE_OF', 'SCHEDULERS', 'TrainConfig', 'renamed_config']
+__all__ = ['LOSS_TYPES', 'LOSS_TYPE_OF', 'SCHEDULERS', 'OPTIMS', 'TrainConfig', 'renamed_config']
 
 # %% ../nbs/03_train_config.ipynb #74723ad1
 LOSS_TYPES = {"dr_grpo": "max_len", "dapo": "dapo", "grpo": "sample", "realized": "realized"}   # TRL's loss_type ->
 LOSS_TYPE_OF = {v: k for k, v in LOSS_TYPES.items()}   # the loss's length_norm ("realized": the group's longest)
 SCHEDULERS = ("constant_with_warmup", "constant", "linear", "cosine")   # transformers' names ("constant": no warmup)
+OPTIMS = ("adamw_torch", "sgd")                                       # transformers' `optim` names
 
 # %% ../nbs/03_train_config.ipynb #07b4caa2
 @dataclass
@@ -29,8 +30,9 @@ class TrainConfig:
     max_steps:int=20                 # batches (Phase 2: 20, Phase 3: 200); each gets num_iterations optimizer steps
     prompts_per_step:int=4           # global prompts per step, all ranks together (Phase 3: 43)
     num_generations:int|None=None    # G completions per prompt; None -> generation.num_generations
-    learning_rate:float|None=None    # AdamW lr; None -> 7e-5 with LoRA, 1e-5 for full fine-tuning
-    weight_decay:float=0.0           # AdamW decoupled weight decay (TRL/HF default)
+    learning_rate:float|None=None    # the optimizer's lr; None -> 7e-5 with LoRA, 1e-5 for full fine-tuning
+    optim:str="adamw_torch"          # transformers' names: "adamw_torch" (AdamW below) | "sgd" (plain SGD)
+    weight_decay:float=0.0           # AdamW decoupled weight decay, SGD's L2 term (TRL/HF default 0)
     adam_beta1:float=0.9
     adam_beta2:float=0.999
     adam_epsilon:float=1e-8
@@ -105,6 +107,7 @@ def _check(self:TrainConfig):
     if self.epsilon_high is not None: check_range("epsilon_high", self.epsilon_high, 0, lo_open=True)
     report_names(self.report_to)
     check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
+    check_choice("optim", self.optim, OPTIMS)
     check_choice("loss_type", self.loss_type, tuple(LOSS_TYPES))
     check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
     check_choice("gradient_checkpointing", self.gradient_checkpointing, (None, True, False))

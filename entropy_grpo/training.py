@@ -130,11 +130,11 @@ class _Run:
     last_ckpt:Path|None
     reference:object=None   # () -> context manager in which the model is the reference policy
 
-def build_optimizer(params, cfg:TrainConfig, lr:float|None=None) -> torch.optim.AdamW:
-    "The package's one optimizer: AdamW with `cfg`'s betas, eps and weight decay, at `lr` (default"
-    " `cfg.learning_rate`)."
-    return torch.optim.AdamW(list(params), lr=cfg.learning_rate if lr is None else lr,
-                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+def build_optimizer(params, cfg:TrainConfig, lr:float|None=None) -> torch.optim.Optimizer:
+    "`cfg.optim`: AdamW with `cfg`'s betas, eps and weight decay, or plain SGD, at `lr` (default `cfg.learning_rate`)."
+    lr = cfg.learning_rate if lr is None else lr
+    if cfg.optim == "sgd": return torch.optim.SGD(list(params), lr=lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(list(params), lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
                              weight_decay=cfg.weight_decay)
 
 def _setup(model, tokenizer, cfg:TrainConfig, resume_from, out:Path|None, reference=None) -> _Run:

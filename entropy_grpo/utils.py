@@ -13,7 +13,7 @@ from torch import Tensor
 
 # %% auto #0
 __all__ = ['check_range', 'check_choice', 'TemplateConfig', 'atomic_path', 'json_default', 'clean_json', 'write_json',
-           'save_figure', 'welch', 'row_cosines', 'markdown_table', 'tqdm_disable', 'base_optimizer']
+           'save_figure', 'welch', 'wilson', 'row_cosines', 'markdown_table', 'tqdm_disable', 'base_optimizer']
 
 # %% ../nbs/00c_utils.ipynb #ebe88024
 def check_range(
@@ -120,6 +120,13 @@ def welch(a:list, b:list) -> dict:
     t, p = ttest_ind(a, b, equal_var=False) if min(len(a), len(b)) >= 2 else (math.nan, math.nan)
     mean = lambda x: statistics.fmean(x) if x else math.nan
     return dict(mean_a=mean(a), mean_b=mean(b), n_a=len(a), n_b=len(b), t=float(t), p=float(p))
+
+def wilson(k:int, n:int, z:float=1.96) -> tuple[float, float]:
+    "The Wilson score interval of k successes in n trials (95% by default)."
+    if n == 0: return (0.0, 1.0)
+    p, d = k / n, 1 + z * z / n
+    c, h = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, c - h), min(1.0, c + h))
 
 # %% ../nbs/00c_utils.ipynb #7b46983d
 def row_cosines(

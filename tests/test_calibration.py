@@ -9,7 +9,8 @@ import pytest
 from fastcore.test import test_fail
 
 from entropy_grpo import calibration
-from entropy_grpo.calibration import WORLDS, calibrate, summarize, wilson, world_pools, world_run
+from entropy_grpo.calibration import WORLDS, calibrate, summarize, world_pools, world_run
+from entropy_grpo.utils import wilson
 from entropy_grpo.pools import load_pool
 from entropy_grpo.tasks import ArithmeticTask
 

@@ -10,7 +10,7 @@ LAYERS = [("utils", "dist", "kept_sets", "report_to"), ("policies", "tasks", "rb
           ("sequence_processor",), ("dr_grpo", "probe_state"), ("train_config",),
           ("training", "delta_entropy_is", "projection_arms"),
           ("probes", "pools", "on_policy"),
-          ("contributions", "decision", "trl_callback", "teachers"),
+          ("contributions", "decision", "trl_callback", "teachers", "scorecard"),
           ("phase2", "reports"), ("phase2_run", "phase3_run"), ("calibration", "plan"), ("experiments", "truth"),
           ("cli",)]
 LAYER = {m: i for i, ms in enumerate(LAYERS) for m in ms}

@@ -94,3 +94,41 @@ def test_covariance_formula_by_hand_and_equal_to_delta_h1_under_its_step():
         gaps.append(abs(float(H(Z + lr * Adv).sum() - H(Z).sum() - pred.sum())))
     assert gaps[0] / gaps[1] == pytest.approx(4, rel=0.1)
     test_fail(lambda: covariance_delta_entropy(Z, Adv[:, :3], 0.1), contains="advantages (5, 3)", exc=ValueError)
+
+
+@pytest.mark.parametrize("sampling", [dict(top_p=1.0), dict(top_p=0.8, temperature=0.9), dict(top_k=5, top_p=0.9)])
+def test_sampled_stats_are_logit_stats_of_transformers_warped_logits(tiny64, sampling):
+    "Teacher forcing with disc=True on the tiny float64 policy: H, log q, S*, S̄ of the sampled distribution equal "
+    "logit_stats of transformers' warpers' logits (−inf outside the kept set) at every completion position."
+    from entropy_grpo.predictors import sampled_stats
+    from entropy_grpo.rb_entropy import warped_logits
+    from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor
+    model, tok = tiny64
+    gc = GenerationConfig(max_new_tokens=7, num_generations=3, head_chunk_size=5, **sampling)
+    sp = SequenceProcessor(model, tok, gc)
+    seqs = sp.generate_batched(["ab", "abcdef"], seed=3)
+    res = sp.teacher_force_logprobs(seqs, disc=True)[0]
+    ours, P = sampled_stats(res), max(seqs.prompt_lens)
+    ids, attn = seqs.sequences.flatten(0, 1), seqs.attention_masks.flatten(0, 1)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0)).logits
+    ref = logit_stats(warped_logits(logits[:, P - 1:-1], gc.temperature, gc.top_p, gc.top_k), ids[:, P:])
+    m = res.gen_mask
+    assert m.sum() > 20
+    for key in ("H", "logp", "S", "S_bar"):
+        torch.testing.assert_close(ours[key][m], ref[key].view(ours[key].shape)[m], atol=1e-12, rtol=1e-10)
+        assert (ours[key][~m] == 0).all()
+    test_fail(lambda: sampled_stats(sp.teacher_force_logprobs(seqs)[0]), contains="disc=True", exc=ValueError)
+
+
+def test_square_sums_count_a_token_outside_its_kept_set_as_log_q_does():
+    "Row 1's token 3 lies outside its nucleus {2}: it joins the set, and Σ q², Σ q² log q are over {2, 3}."
+    from entropy_grpo.rb_entropy import token_stats
+    x = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 3.0, -5.0]], dtype=torch.float64)
+    st = token_stats(x, torch.tensor([0, 3]), top_p=0.7, disc=True)
+    keep = torch.tensor([[True, True, False, False], [False, False, True, True]])
+    lq = x.masked_fill(~keep, -math.inf).log_softmax(-1)
+    q = lq.exp()
+    torch.testing.assert_close(st["q2"], (q * q).sum(-1), atol=1e-15, rtol=0)
+    torch.testing.assert_close(st["q2logq"], torch.where(keep, q * q * lq, 0.).sum(-1), atol=1e-15, rtol=0)
+    torch.testing.assert_close(st["logq"], lq[[0, 1], [0, 3]], atol=1e-15, rtol=0)
