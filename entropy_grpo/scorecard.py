@@ -104,25 +104,30 @@ def scorecard(records:list[dict], resolved:float=2.0) -> list[dict]:
     rs = [r for r in records if math.isfinite(r["deltaH_true"]) and r.get("grad_norm", 1.0) > 0]
     true, se = np.array([r["deltaH_true"] for r in rs]), np.array([r["deltaH_true_se"] for r in rs])
     sure, rows = np.abs(true) > resolved * se, []
-    for name in PREDICTORS:
-        x = np.array([r[f"pred_{name}"] for r in rs])
+    majority = np.full(len(rs), -1.0 if (true < 0).sum() > (true > 0).sum() else 1.0)
+    for name in (*PREDICTORS, "majority_sign"):
+        x = majority if name == "majority_sign" else np.array([r[f"pred_{name}"] for r in rs])
         agree = np.sign(x) == np.sign(true)
         k, n, ks, ns = int(agree.sum()), len(rs), int(agree[sure].sum()), int(sure.sum())
-        rho = float(spearmanr(x, true).statistic) if n > 2 else math.nan
+        ranked = n > 2 and name in PREDICTORS
         rows.append(dict(predictor=name, steps=n, sign_agreement=k / n if n else math.nan, sign_interval=wilson(k, n),
                          resolved_steps=ns, sign_agreement_resolved=ks / ns if ns else math.nan,
-                         resolved_interval=wilson(ks, ns), spearman=rho,
-                         median_ratio=float(np.median(x / true)) if n else math.nan))
+                         resolved_interval=wilson(ks, ns),
+                         spearman=float(spearmanr(x, true).statistic) if ranked else math.nan,
+                         median_ratio=float(np.median(x / true)) if ranked else math.nan))
     return rows
 
 def scorecard_table(rows:list[dict]) -> str:
     "The scorecard as a markdown table."
     fmt = lambda v, i: f"{v:.2f} [{i[0]:.2f}, {i[1]:.2f}]"
-    return markdown_table([dict(predictor=PREDICTORS[r["predictor"]], steps=r["steps"],
+    num = lambda v, f: "—" if math.isnan(v) else format(v, f)
+    return markdown_table([dict(predictor=PREDICTORS.get(r["predictor"], "majority sign (control, fitted here)"),
+                                steps=r["steps"],
                                 sign=fmt(r["sign_agreement"], r["sign_interval"]),
                                 resolved=f"{fmt(r['sign_agreement_resolved'], r['resolved_interval'])} of "
                                          f"{r['resolved_steps']}" if r["resolved_steps"] else "none resolved",
-                                spearman=f"{r['spearman']:+.2f}", ratio=f"{r['median_ratio']:.3g}") for r in rows],
+                                spearman=num(r["spearman"], "+.2f"), ratio=num(r["median_ratio"], ".3g"))
+                           for r in rows],
                           ["predictor", "steps", "sign", "resolved", "spearman", "ratio"])
 
 # %% ../nbs/04e_scorecard.ipynb #2b66263b
@@ -162,7 +167,8 @@ def run_scorecard(
     return dict(config=config.to_dict(), records=records, scorecard=scorecard(records))
 
 # %% ../nbs/04e_scorecard.ipynb #51fc71ca
-SCORECARD_SETTINGS = (("adamw_torch", 1e-6, 1.0), ("adamw_torch", 1e-6, 0.95), ("sgd", 0.1, 1.0), ("sgd", 0.1, 0.95))
+SCORECARD_SETTINGS = (("adamw_torch", 1e-6, 1.0), ("adamw_torch", 1e-6, 0.95),
+                      ("sgd", 0.01, 1.0), ("sgd", 0.01, 0.95))
 
 def record_scorecard(
     out_dir:str|Path,
@@ -184,11 +190,12 @@ def record_scorecard(
     return scorecard_report(out)
 
 def scorecard_report(out_dir:str|Path) -> dict:
-    "Score each finished setting in out_dir: {label: scorecard rows}; scorecard.md (tables) and scorecard.png."
+    "Score each finished setting's records in out_dir: {label: scorecard rows}; scorecard.md (tables), scorecard.png."
     out = Path(out_dir)
     runs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*-top_p*.json"))}
-    md = [f"## {k}: {len(v['records'])} steps, lr {v['config']['learning_rate']:g}\n\n{scorecard_table(v['scorecard'])}"
+    rows = {k: scorecard(v["records"]) for k, v in runs.items()}
+    md = [f"## {k}: {len(v['records'])} steps, lr {v['config']['learning_rate']:g}\n\n{scorecard_table(rows[k])}"
           for k, v in runs.items()]
     (out/"scorecard.md").write_text("\n\n".join(md) + "\n")
     if runs: plot_scorecard({k: v["records"] for k, v in runs.items()}).savefig(out/"scorecard.png", dpi=90)
-    return {k: v["scorecard"] for k, v in runs.items()}
+    return rows

@@ -70,7 +70,8 @@ def test_more_than_one_iteration_is_refused_in_one_line(tiny64):
 
 def test_scorecard_counts_signs_ranks_and_ratios():
     "Six steps: ΔH₁ = 2 ΔH_true (all signs, ρ = 1, ratio 2); the covariance is wrong in sign on the one resolved "
-    "step; a NaN ΔH_true and a step with no gradient (all 0, an agreement that says nothing) are left out."
+    "step; the majority-sign control agrees with half; a NaN ΔH_true and a step with no gradient (all 0, an "
+    "agreement that says nothing) are left out."
     true, se = [0.5, -0.01, 0.02, -0.03, float("nan"), 0.0], [0.1, 0.1, 0.1, 0.1, 0.1, 0.0]
     recs = [dict(deltaH_true=t, deltaH_true_se=s, pred_deltaH1=2 * t, pred_covariance=-t if i == 0 else t,
                  pred_discriminator=1.0 if i < 5 else 0.0, grad_norm=0.0 if i == 5 else 0.3)
@@ -81,4 +82,6 @@ def test_scorecard_counts_signs_ranks_and_ratios():
     assert rows["covariance"]["sign_agreement"] == 0.75 and rows["covariance"]["resolved_steps"] == 1
     assert rows["covariance"]["sign_agreement_resolved"] == 0
     assert rows["discriminator"]["sign_agreement"] == 0.5
+    assert rows["majority_sign"]["sign_agreement"] == 0.5 and math.isnan(rows["majority_sign"]["spearman"])
+    assert scorecard(recs[1:4])[-1]["sign_agreement"] == pytest.approx(2 / 3)   # two of three steps fell
     assert "ΔH₁" in scorecard_table(list(rows.values()))
