@@ -12,7 +12,8 @@ from .dist import all_reduce_sum
 from .utils import check_range
 
 # %% auto #0
-__all__ = ['logit_stats', 'sampled_stats', 'discriminator_delta_entropy', 'covariance_delta_entropy', 'step_predictors']
+__all__ = ['logit_stats', 'sampled_stats', 'discriminator_delta_entropy', 'covariance_delta_entropy', 'covariance_sums',
+           'covariance_from_sums', 'step_predictors']
 
 # %% ../nbs/04d_predictors.ipynb #22ea86fe
 def logit_stats(
@@ -73,6 +74,22 @@ def covariance_delta_entropy(
     return -lr * ((p * logp * A).sum(-1) - (p * logp).sum(-1) * (p * A).sum(-1))
 
 # %% ../nbs/04d_predictors.ipynb #6e882097
+def covariance_sums(
+    logp:Tensor,                # [..., T] log q of each update token
+    weights:Tensor,             # [..., T] w_t = −∂loss/∂log q_t (0 at padding)
+    mask:Tensor,                # [..., T] completion positions; each row over T is one sequence
+) -> Tensor:                    # float64 [5]: Σ log q·w, Σ log q, Σ w, tokens, sequences
+    "What Cui et al.'s covariance of a step needs from one batch; sums of batches and processes add up."
+    m = mask.double()
+    w, lq = weights.double() * m, logp.double() * m
+    return torch.stack([(lq * w).sum(), lq.sum(), w.sum(), m.sum(), m.new_tensor(float(m[..., 0].numel()))])
+
+def covariance_from_sums(s:Tensor, lr:float) -> float:
+    "Cui et al.'s first-order entropy change of a step per sequence, −lr Cov_t(log q, w) · n / N, from summed "
+    "`covariance_sums` (n tokens, N sequences)."
+    n = float(s[3])
+    return -lr * (float(s[0]) / n - float(s[1]) / n * float(s[2]) / n) * n / float(s[4])
+
 def step_predictors(
     stats:dict,                 # sampled_stats (or logit_stats) of the update batch's positions, float64 [B, G, T]
     weights:Tensor,             # [B, G, T] w_t = −∂loss/∂log q_t of the step's loss (0 at padding)
@@ -85,11 +102,7 @@ def step_predictors(
         raise ValueError(f"stats {tuple(stats['S'].shape)}, weights {tuple(weights.shape)} and mask "
                          f"{tuple(mask.shape)}: expected one [B, G, T] shape")
     m = mask.to(stats["S"])
-    w, lq = weights.to(m) * m, stats["logp"] * m
-    disc = -(lr * w * (stats["S"] - stats["S_bar"]) * m).sum()
-    n_seq = m.new_tensor(float(m.shape[0] * m.shape[1]))
-    s = all_reduce_sum([torch.stack([disc, (lq * w).sum(), lq.sum(), w.sum(), m.sum(), n_seq])])[0]
-    n = float(s[4])
-    cov = float(s[1]) / n - float(s[2]) / n * float(s[3]) / n
-    return dict(discriminator=float(s[0] / s[5]), covariance=-lr * cov * n / float(s[5]), n_tokens=int(n),
+    disc = -(lr * weights.to(m) * (stats["S"] - stats["S_bar"]) * m).sum()
+    s = all_reduce_sum([torch.cat([disc[None], covariance_sums(stats["logp"], weights, m)])])[0]
+    return dict(discriminator=float(s[0] / s[5]), covariance=covariance_from_sums(s[1:], lr), n_tokens=int(s[4]),
                 n_sequences=int(s[5]))

@@ -15,6 +15,7 @@ from fastcore.basics import patch
 from .adapters import Adapter
 from .delta_entropy_is import DeltaEntropyIS, importance_config
 from .dist import all_reduce_sum, rank
+from .predictors import covariance_from_sums, covariance_sums
 from .probe_state import probe_copy, probe_dtype
 from .probes import GRAD_H_ESTIMATORS, entropy_gradient
 from .projection_arms import COS_KEYS, GATES, VHack, arm_step
@@ -24,8 +25,8 @@ from .sequence_processor import (BatchedSequences, GenerationConfig, SequencePro
 from .utils import check_choice, check_range
 
 # %% auto #0
-__all__ = ['MIRRORED', 'NEUTRAL', 'LOGGED', 'TRAINER_EVENTS', 'ProbeConfig', 'sampling_config', 'GenerateEntropy', 'GRPOProbe',
-           'add_grpo_probe']
+__all__ = ['MIRRORED', 'NEUTRAL', 'LOGGED', 'TRAINER_EVENTS', 'ProbeConfig', 'sampling_config', 'GenerateEntropy', 'LossWeights',
+           'GRPOProbe', 'add_grpo_probe']
 
 # %% ../nbs/08_trl_callback.ipynb #6733336e
 @dataclass
@@ -42,6 +43,7 @@ class ProbeConfig:
     gate:str="one_sided"            # project_grad's gate
     overshoot:float=1.0             # project_grad's overshoot
     rb_entropy:bool=True            # log the RB entropy of each generation batch, per token
+    covariance:bool=True            # log Cui et al.'s covariance predictor of each optimizer step
     prefix:str="entropy_grpo/"      # metric names in TRL's logs
     seed:int=0                      # E's sampling seed: seed·1_000_003 + 1000·step + rank
 
@@ -131,6 +133,40 @@ class GenerateEntropy:
         if self.on_batch is not None: self.on_batch(rb, mask)
         return out
 
+# %% ../nbs/08_trl_callback.ipynb #bac58df8
+class LossWeights:
+    "Wraps a GRPOTrainer's `_get_per_token_logps_and_entropies`: the gradient each backward sends into the per-token "
+    "log p of the loss is −w; `covariance_sums` of (log p, w) add up until `pop` at the optimizer step."
+    def __init__(self, trainer):
+        import inspect
+        self.trainer, self.get, self.sums = trainer, trainer._get_per_token_logps_and_entropies, None
+        self.signature = inspect.signature(self.get)
+
+    def install(self) -> "LossWeights":
+        self.trainer._get_per_token_logps_and_entropies = self; return self
+
+    def remove(self):
+        if self.trainer.__dict__.get("_get_per_token_logps_and_entropies") is self:
+            del self.trainer._get_per_token_logps_and_entropies
+
+    def __call__(self, *args, **kwargs):
+        out = self.get(*args, **kwargs)
+        if out[0].requires_grad:                                       # the loss's pass (generation's are no-grad)
+            a = self.signature.bind(*args, **kwargs).arguments
+            logp, mask = out[0].detach(), a["attention_mask"][:, -a["logits_to_keep"]:]     # [B, T] each
+            out[0].register_hook(lambda g: self._add(logp, -g, mask))
+        return out
+
+    def _add(self, logp:Tensor, w:Tensor, mask:Tensor):
+        scaler = getattr(self.trainer.accelerator, "scaler", None)     # fp16: the backward's loss was scaled
+        s = covariance_sums(logp, w / scaler.get_scale() if scaler is not None else w, mask)
+        self.sums = s if self.sums is None else self.sums + s
+
+    def pop(self) -> Tensor|None:
+        "This process's sums since the last pop (None: no backward)."
+        s, self.sums = self.sums, None
+        return s
+
 # %% ../nbs/08_trl_callback.ipynb #9fdc2da7
 class GRPOProbe:
     "ΔH_true, ΔH₁, v_hack alignment (and projection) and the sampled distribution's entropy inside a GRPOTrainer run."
@@ -155,7 +191,7 @@ class GRPOProbe:
             v_hack = v_hack.check(adapter).to(adapter.parameters()[0].device)
         self.trainer, self.v_hack, self.adapter, self.prompts, self.E = trainer, v_hack, adapter, prompts, None
         self.generation = sampling_config(trainer, c.num_generations)
-        self.history, self.entropy_hook, self._pending, self._rb = [], None, None, {}
+        self.history, self.entropy_hook, self.loss_weights, self._pending, self._rb = [], None, None, None, {}
 
     def _log(self, values:dict, mode:str="train"):
         "Append scalars to TRL's metrics: `GRPOTrainer.log` averages them into the next record (and report_to)."
@@ -200,10 +236,12 @@ def on_train_begin(self:GRPOProbe, args, state, control, model=None, **kw):
     elif c.rb_entropy:
         eos = getattr(tr, "eos_token_ids", None) or tok.eos_token_id
         self.entropy_hook = GenerateEntropy(model, self.generation, eos, self._on_generation).install()
+    if c.covariance: self.loss_weights = LossWeights(tr).install()
 
 @patch
 def on_train_end(self:GRPOProbe, args, state, control, **kw):
     if self.entropy_hook is not None: self.entropy_hook.remove()
+    if self.loss_weights is not None: self.loss_weights.remove()
 
 # %% ../nbs/08_trl_callback.ipynb #1763e0c8
 @patch
@@ -247,6 +285,9 @@ def _scoring(self:GRPOProbe):
 @patch
 def on_pre_optimizer_step(self:GRPOProbe, args, state, control, **kw):
     c = self.config
+    if self.loss_weights is not None and (sums := self.loss_weights.pop()) is not None:
+        lr = self.trainer.optimizer.param_groups[0]["lr"]
+        self._log(dict(pred_covariance=covariance_from_sums(all_reduce_sum([sums])[0], lr)))
     if self.v_hack is not None:
         new, st = arm_step(self.adapter.flat_grads(), self.v_hack.V, c.project, c.gate, c.overshoot)
         if c.project: self.adapter.set_flat_grads(new)

@@ -17,6 +17,7 @@ from trl import GRPOConfig, GRPOTrainer
 from entropy_grpo.adapters import LoraAdapter, WeightsAdapter
 from entropy_grpo.delta_entropy_is import DeltaEntropyIS
 from entropy_grpo.policies import full_precision_norms
+from entropy_grpo.predictors import covariance_from_sums, covariance_sums
 from entropy_grpo.probe_state import plain_forward
 from entropy_grpo.probes import entropy_gradient, optimizer_delta
 from entropy_grpo.projection_arms import alignment_stats, project_grad, random_v_hack
@@ -359,3 +360,34 @@ def test_h_orig_and_h_upd_are_the_policys_entropy_at_every_measured_step(tiny, t
     print("\n" + markdown_table(rows, fmt="{:.3f}"))
     assert all(abs(r["z"]) <= 4 and abs(r["z_upd"]) <= 4 for r in rows), rows
     assert abs(rows[-1]["fresh"] - rows[0]["fresh"]) > 4 * math.hypot(rows[0]["se"], rows[-1]["se"]), rows
+
+
+def test_covariance_predictor_reads_the_weights_of_the_loss_trl_backpropagates(tiny, tmp_path):
+    "Two optimizer steps of two micro-batches each (dr_grpo): the logged covariance predictor is −lr Cov_t(log p, w) "
+    "· n / N over the step's tokens, with w = A / (B · max_completion_length · 2), −∂loss/∂log p at ratio 1 as TRL's "
+    "dr_grpo loss and the accumulation normaliser give it, and log p from a forward of the live model."
+    trainer = grpo_trainer(tiny, tmp_path, loss_type="dr_grpo", gradient_accumulation_steps=2, max_steps=2)
+    sums, compute = [], trainer._compute_loss
+
+    def spy(model, inputs):
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        with torch.no_grad(), trainer.accelerator.autocast():
+            logits = model(input_ids=ids, attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]],
+                                                                   1)).logits
+        T = inputs["completion_ids"].shape[1]
+        logp = logits[:, -T - 1:-1].float().log_softmax(-1).gather(-1, inputs["completion_ids"][..., None])[..., 0]
+        m = inputs["completion_mask"]
+        w = inputs["advantages"][:, None] / (len(m) * trainer.args.max_completion_length * 2) * m
+        sums.append((covariance_sums(logp, w, m), trainer.optimizer.param_groups[0]["lr"]))
+        return compute(model, inputs)
+
+    trainer._compute_loss = spy
+    probe = add_grpo_probe(trainer, dict(every=0, rb_entropy=False))
+    trainer.train()
+    got = logged(trainer, "pred_covariance")
+    assert sorted(got) == [1, 2] and len(sums) == 4
+    for step in (1, 2):
+        (a, lr), (b, _) = sums[2 * step - 2:2 * step]
+        want = covariance_from_sums(a + b, lr)
+        assert want != 0 and got[step] == pytest.approx(want, rel=1e-5), (step, got[step], want)
+    assert "_get_per_token_logps_and_entropies" not in vars(trainer) and probe.loss_weights.sums is None
