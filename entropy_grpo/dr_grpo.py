@@ -15,7 +15,7 @@ from .utils import check_choice, check_range
 
 # %% auto #0
 __all__ = ['SCALE_REWARDS', 'LENGTH_NORMS', 'LOSS_NORMS', 'group_advantages', 'check_length_norm', 'length_normaliser',
-           'dr_grpo_loss', 'policy_gradient_backward']
+           'dr_grpo_loss', 'policy_gradient_backward', 'loss_token_weights']
 
 # %% ../nbs/03_dr_grpo.ipynb #4959fdf6
 SCALE_REWARDS = ("none", "group", "batch")   # TRL's scale_rewards
@@ -166,3 +166,20 @@ def policy_gradient_backward(
     out = dict(loss=float(total[0]), n_tokens=int(total[1]), clip_frac=float(total[2] / max(total[1], 1)))
     if beta > 0: out["kl"] = float(total[3] / max(total[1], 1))
     return out
+
+# %% ../nbs/03_dr_grpo.ipynb #1d55026d
+def loss_token_weights(
+    logprobs:Tensor,            # [B, G, T] log q of the update batch
+    advantages:Tensor,          # [B, G]
+    gen_mask:Tensor,            # [B, G, T] bool
+    max_len:int,                # L_max of length_norm="max_len"
+    length_norm:str="max_len",
+    clip_eps:float|tuple=0.2,
+    num_prompts:int|None=None,  # global prompt count; default B × world size
+) -> Tensor:                    # [B, G, T] float64, 0 at padding
+    "w_t = −∂loss/∂log q_t of the Dr.GRPO loss at ratio 1 (no KL term), by autograd on `dr_grpo_loss`."
+    lq = logprobs.detach().double().requires_grad_()
+    n_tok = float(all_reduce_sum([gen_mask.sum().double().reshape(1)])[0]) if length_norm == "dapo" else None
+    loss = dr_grpo_loss(lq, None, advantages.to(lq), gen_mask, max_len=max_len, clip_eps=clip_eps,
+                        length_norm=length_norm, num_prompts=num_prompts or len(lq) * world_size(), n_tokens=n_tok)
+    return -torch.autograd.grad(loss, lq)[0]

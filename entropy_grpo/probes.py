@@ -13,7 +13,8 @@ from torch import Tensor
 
 from .delta_entropy_is import DeltaEntropyIS, importance_config, update_backward
 from .dist import all_reduce_sum
-from .dr_grpo import group_advantages, policy_gradient_backward
+from .dr_grpo import group_advantages, loss_token_weights, policy_gradient_backward
+from .predictors import covariance_from_sums, covariance_sums, sampled_stats, step_predictors
 from .probe_state import probe_copy, probe_dtype
 from .sequence_processor import (GenerationConfig, LogprobResults, SequenceProcessor, as_batched_sequences,
                                              make_probe_batch)
@@ -253,12 +254,11 @@ def covariance_predictor(
     check_choice("per", per, ("token", "sequence"))
     res = logprobs if logprobs is not None else sp.teacher_force_logprobs(as_batched_sequences(E, "E_batch"),
                                                                           compute_rb=False)[0]
-    m = res.gen_mask.to(torch.float64)
-    lq, A = res.logprobs.double() * m, E["advantages"].double().to(m.device)[..., None] * m
-    n_seq = torch.tensor(float(E["advantages"].numel()), dtype=torch.float64, device=m.device)
-    s = all_reduce_sum([torch.stack([(lq * A).sum(), lq.sum(), A.sum(), m.sum(), n_seq])])[0]
-    cov = float(s[0] / s[3] - (s[1] / s[3]) * (s[2] / s[3]))
-    return cov if per == "token" else cov * float(s[3] / s[4])
+    m = res.gen_mask
+    A = E["advantages"].double().to(m.device)[..., None].expand(m.shape)              # [B, G, T]
+    s = all_reduce_sum([covariance_sums(res.logprobs, A, m)])[0]
+    cov_seq = -covariance_from_sums(s, lr=1.0)                                         # Cov · n_tokens / n_sequences
+    return cov_seq * float(s[4] / s[3]) if per == "token" else cov_seq
 
 def first_order_delta_entropy(
     sp:SequenceProcessor,
@@ -301,8 +301,16 @@ def _check_training_optimizer(opt:torch.optim.Optimizer, c:TrainConfig):
         raise ValueError(f"optimizer (type, betas, eps, weight_decay)={got}: train_config's update uses {want}; the "
                          "probe would not measure the training update")
 
-def _probe_row(t:dict, dH1:float, cov:float, min_ess_frac:float) -> dict:
-    "One lr's row: ΔH₁, ΔH_true and its parts, the signed gap, the covariance predictor, diagnostics and flags."
+def _discriminator_unit(sp:SequenceProcessor, U_batch:dict, cfg:dict) -> float:
+    "Wang et al.'s predictor of the update on U per sequence at lr 1 (before clipping): one no-grad pass over U."
+    res, _ = sp.teacher_force_logprobs(as_batched_sequences(U_batch, "U_batch"), disc=True)
+    w = loss_token_weights(res.logprobs, U_batch["advantages"], res.gen_mask, sp.config.max_new_tokens,
+                           cfg["length_norm"], cfg["clip_eps"])
+    return step_predictors(sampled_stats(res), w, res.gen_mask, 1.0)["discriminator"]
+
+def _probe_row(t:dict, dH1:float, cov:float, disc:float, min_ess_frac:float) -> dict:
+    "One lr's row: ΔH₁, ΔH_true and its parts, the signed gap, the covariance and discriminator predictors, "
+    "diagnostics and flags."
     lr, flags = t["lr"], []
     if not all(math.isfinite(v) for v in (t["deltaH_true"], t["deltaH_true_fixed_support"])):
         flags.append("nonfinite_deltaH_true")
@@ -313,6 +321,7 @@ def _probe_row(t:dict, dH1:float, cov:float, min_ess_frac:float) -> dict:
             "n_zero_weight_sequences", "delta_theta_norm")
     return dict(lr=lr, deltaH1=dH1, **{k: t[k] for k in keys[:4]}, gap=t["deltaH_true_fixed_support"] - dH1,
                 cov_predictor=-lr * cov, cov_ratio=-lr * cov / t["deltaH_true"] if t["deltaH_true"] else float("nan"),
+                disc_predictor=lr * disc,
                 **{k: t[k] for k in keys[4:]}, flags=flags)
 
 def _verdict(rows, floor, factor, lo, hi, need, lr_step) -> dict:
@@ -356,7 +365,7 @@ def run_mixed_probe(
     lr_step:float=3.0,
     slope_range:tuple=(1.6, 2.5),
 )->dict:                            # rows, slope, floor, verdict, detail, try_lrs, flags, table, figure, …
-    "ΔH₁ vs ΔH_true (fixed-support and support-change parts) vs the covariance predictor, above the noise floor."
+    "ΔH₁ vs ΔH_true (fixed-support and support-change parts) vs the tabular predictors, above the noise floor."
     lrs = sorted(float(x) for x in lrs)
     if not lrs or lrs[0] <= 0: raise ValueError(f"lrs={lrs}: expected positive learning rates")
     check_range("max_extra_lrs", max_extra_lrs, 0, integer=True)
@@ -373,8 +382,9 @@ def run_mixed_probe(
     one = first_order_delta_entropy(psp, E_batch, U_batch, popt, lr=1.0, estimator=estimator,
                                     **{k: cfg[k] for k in upd})
     cov = covariance_predictor(U_batch, psp, per="sequence")
+    disc = one["clip_coef"] * _discriminator_unit(psp, U_batch, cfg)
     sched = scheduler if popt is optimizer else None
-    measure = lambda ls: [_probe_row(t, t["lr"] * one["deltaH1"], cov, cfg["min_ess_frac"]) for t in
+    measure = lambda ls: [_probe_row(t, t["lr"] * one["deltaH1"], cov, disc, cfg["min_ess_frac"]) for t in
                           probe.entropy_changes(E_batch, U_batch, popt, ls, cfg, sched, on_nonfinite="nan")]
     rows = measure(lrs)
     for _ in range(max_extra_lrs):
@@ -394,7 +404,8 @@ def run_mixed_probe(
 
 # %% ../nbs/04_probes.ipynb #da743a30
 PROBE_COLUMNS = ("lr", "deltaH1", "deltaH_true", "deltaH_true_fixed_support", "deltaH_support_change", "gap",
-                 "qualifies", "cov_predictor", "cov_ratio", "ess", "coverage", "support_new_mass_per_sequence", "flags")
+                 "qualifies", "cov_predictor", "cov_ratio", "disc_predictor", "ess", "coverage",
+                 "support_new_mass_per_sequence", "flags")
 
 def probe_table(rows:list, cols=PROBE_COLUMNS) -> str:
     "Markdown table of the probe's rows (flags joined, '—' when none)."
@@ -406,7 +417,7 @@ def plot_mixed_probe(rows:list, slope:float, floor:float|None=None, floor_factor
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
     lr = [r["lr"] for r in rows]
     for key, style in (("deltaH_true", "o-"), ("deltaH_true_fixed_support", "s-"), ("deltaH1", "^--"),
-                       ("cov_predictor", "x:")):
+                       ("cov_predictor", "x:"), ("disc_predictor", "+:")):
         y = [abs(r[key]) for r in rows]
         if all(math.isfinite(v) and v > 0 for v in y): ax[0].loglog(lr, y, style, label=f"|{key}|")
     for sign, c in ((1, "tab:red"), (-1, "k")):

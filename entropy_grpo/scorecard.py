@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from .delta_entropy_is import DeltaEntropyIS, importance_config
-from .dist import all_reduce_sum, rank
-from .dr_grpo import dr_grpo_loss
+from .dist import rank
+from .dr_grpo import loss_token_weights
 from .policies import load_policy
 from .predictors import sampled_stats, step_predictors
 from .sequence_processor import GenerationConfig
@@ -37,12 +37,8 @@ def loss_weights(
 ) -> Tensor:                    # [B, G, T] float64, 0 at padding
     "w_t = −∂loss/∂log q_t of the step's policy-gradient loss at its start (ratio 1; a KL term is left out), through "
     "autograd on the loss `train` minimises."
-    lq = res.logprobs.detach().double().requires_grad_()
-    n_tok = float(all_reduce_sum([res.gen_mask.sum().double()])[0]) if config.length_norm == "dapo" else None
-    loss = dr_grpo_loss(lq, None, advantages.to(lq), res.gen_mask, max_len=config.generation.max_new_tokens,
-                        clip_eps=config.clip_range, length_norm=config.length_norm,
-                        num_prompts=config.prompts_per_step, n_tokens=n_tok)
-    return -torch.autograd.grad(loss, lq)[0]
+    return loss_token_weights(res.logprobs, advantages, res.gen_mask, config.generation.max_new_tokens,
+                              config.length_norm, config.clip_range, config.prompts_per_step)
 
 # %% ../nbs/04e_scorecard.ipynb #ee92dafe
 class PredictorScorecard:

@@ -7,8 +7,8 @@ import torch
 from fastcore import test as fc
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from entropy_grpo.delta_entropy_is import DeltaEntropyIS
-from entropy_grpo.dr_grpo import group_advantages, policy_gradient_backward
+from entropy_grpo.delta_entropy_is import DeltaEntropyIS, importance_config, update_backward
+from entropy_grpo.dr_grpo import group_advantages, loss_token_weights, policy_gradient_backward
 from entropy_grpo.phase2 import decide, entropy_probe_row
 from entropy_grpo.policies import tiny_policy
 from entropy_grpo.probe_state import probe_copy, probe_dtype
@@ -141,6 +141,22 @@ def test_covariance_predictor_per_sequence_is_the_token_covariance_summed_along_
     fc.test_fail(lambda: covariance_predictor(U, pc.sp, per="position"), contains="per='position'")
 
 
+@pytest.mark.parametrize("length_norm", ["max_len", "dapo"])
+def test_loss_token_weights_carry_the_training_updates_gradient(length_norm):
+    "Σ_t w_t ∇log q_t with w = loss_token_weights is the training update's gradient on U (update_backward, unclipped)."
+    pc = components()
+    _, U = batches(pc)
+    params = [p for p in pc.sp.model.parameters() if p.requires_grad]
+    cfg = importance_config(dict(max_grad_norm=None, length_norm=length_norm))
+    update_backward(pc.sp, U, params, cfg)
+    res, _ = pc.sp.teacher_force_logprobs(as_batched_sequences(U), with_grad=True, compute_rb=False)
+    w = loss_token_weights(res.logprobs, U["advantages"], res.gen_mask, pc.sp.config.max_new_tokens,
+                           cfg["length_norm"], cfg["clip_eps"])
+    got = torch.autograd.grad(-(w.to(res.logprobs) * res.logprobs).sum(), params)
+    assert max(float(p.grad.abs().max()) for p in params) > 0
+    for g, p in zip(got, params): torch.testing.assert_close(g, p.grad, rtol=1e-9, atol=1e-12)
+
+
 # ------------------------------------------------------------------------- the probe, its floor and verdicts
 
 def test_probe_scores_a_float64_copy_and_its_verdict_row():
@@ -156,6 +172,8 @@ def test_probe_scores_a_float64_copy_and_its_verdict_row():
     assert out["verdict"] == "success" and len(out["qualifying_lrs"]) >= 3 and 1.6 <= out["slope"] <= 2.5
     assert all(r["gap"] == r["deltaH_true_fixed_support"] - r["deltaH1"] for r in out["rows"])   # signed, not abs()
     assert all("cov_ratio" in r and "coverage" in r and "support_new_mass_per_sequence" in r for r in out["rows"])
+    d0 = out["rows"][0]["disc_predictor"] / out["rows"][0]["lr"]
+    assert d0 != 0 and all(r["disc_predictor"] == pytest.approx(d0 * r["lr"], rel=1e-12) for r in out["rows"])
     row = entropy_probe_row(out, arm="vanilla")
     assert row["key"] == "entropy_probe" and row["verdict"] == "success" and "noise floor" in row["null"]
 
