@@ -1039,6 +1039,7 @@ d = { 'settings': { 'branch': 'main',
                                     'entropy_grpo.utils.row_cosines': ('utils.html#row_cosines', 'entropy_grpo/utils.py'),
                                     'entropy_grpo.utils.save_figure': ('utils.html#save_figure', 'entropy_grpo/utils.py'),
                                     'entropy_grpo.utils.tqdm_disable': ('utils.html#tqdm_disable', 'entropy_grpo/utils.py'),
+                                    'entropy_grpo.utils.trim_memory': ('utils.html#trim_memory', 'entropy_grpo/utils.py'),
                                     'entropy_grpo.utils.welch': ('utils.html#welch', 'entropy_grpo/utils.py'),
                                     'entropy_grpo.utils.wilson': ('utils.html#wilson', 'entropy_grpo/utils.py'),
                                     'entropy_grpo.utils.write_json': ('utils.html#write_json', 'entropy_grpo/utils.py')}}}

@@ -30,7 +30,7 @@ from .sequence_processor import GenerationConfig, SequenceProcessor, make_probe_
 from .tasks import LEAKY_HINT, ArithmeticTask
 from .teachers import check_style_pool, teacher_and_base_pools
 from .training import LOSS_TYPE_OF, TrainConfig, build_optimizer, train
-from .utils import TemplateConfig, check_choice, check_range, write_json
+from .utils import TemplateConfig, check_choice, check_range, trim_memory, write_json
 
 # %% auto #0
 __all__ = ['PROBE_TF_BATCH', 'Phase2Config', 'Phase2Run']
@@ -142,13 +142,15 @@ class Phase2Run:
         self.gen = cfg.generation
 
     def _done(self, phase:str):
-        "Record the seconds since the last phase ended."
+        "Record the seconds since the last phase ended; hand what the phase freed back to the OS (`trim_memory`)."
+        trim_memory()
         now = time.perf_counter()
         self.timings[phase], self._t = now - self._t, now
 
     def with_adapter(self):
-        "A copy of the policy with the arm's adapter (the same basis every time: δS is deterministic, LoRA is seeded)."
-        m, c = copy.deepcopy(self.policy), self.cfg
+        "A copy of the policy with the arm's adapter (the same basis every time: δS is deterministic, LoRA is seeded). "
+        "The copy shares the policy's weights, which the adapters freeze and never write: only the adapter is new."
+        m, c = copy.deepcopy(self.policy, {id(p): p for p in self.policy.parameters()}), self.cfg
         return add_delta_s(m, list(c.target_modules)) if ARM_ADAPTER[c.arm] == "delta_s" else \
             add_lora(m, list(c.target_modules), r=c.lora_r, seed=c.seed)
 

@@ -13,7 +13,8 @@ from torch import Tensor
 
 # %% auto #0
 __all__ = ['check_range', 'check_choice', 'TemplateConfig', 'atomic_path', 'json_default', 'clean_json', 'write_json',
-           'save_figure', 'welch', 'wilson', 'row_cosines', 'markdown_table', 'tqdm_disable', 'base_optimizer']
+           'save_figure', 'welch', 'wilson', 'row_cosines', 'markdown_table', 'tqdm_disable', 'base_optimizer',
+           'trim_memory']
 
 # %% ../nbs/00c_utils.ipynb #ebe88024
 def check_range(
@@ -163,3 +164,12 @@ def base_optimizer(optimizer:torch.optim.Optimizer) -> torch.optim.Optimizer:
     "The torch optimizer under wrappers that hold it as `.optimizer` (accelerate's AcceleratedOptimizer); else itself."
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer): optimizer = optimizer.optimizer
     return optimizer
+
+# %% ../nbs/00c_utils.ipynb #6f5637a8
+def trim_memory() -> bool|None:
+    "gc, then glibc's `malloc_trim(0)`: what freed tensors left in the C allocator goes back to the OS. True when "
+    "some did; None without glibc."
+    import ctypes, gc
+    gc.collect()
+    try: return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError): return None
