@@ -10,7 +10,7 @@ straight back, at the cost of a page fault each time it is allocated again); the
 
     python bench/phase_memory.py [--out /tmp/phase_memory] [--no-trim] [--until entropy_probe] [-p NAME=VALUE ...]
 """
-import argparse, ast, dataclasses, os, sys, tempfile, threading, time
+import argparse, ast, os, sys, tempfile, threading, time
 
 import psutil
 
@@ -34,11 +34,9 @@ def main():
     from entropy_grpo.cli import DEMO_PARAMETERS
     from entropy_grpo.utils import trim_memory
     if a.no_trim: phase2_run.trim_memory = lambda: None
-    fields = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-              for f in dataclasses.fields(phase2_run.Phase2Config)}
     user = {k: _value(v) for k, v in (s.split("=", 1) for s in a.p)}
     out = a.out or tempfile.mkdtemp(prefix="phase_memory-")
-    cfg = phase2_run.Phase2Config(**{**fields, **DEMO_PARAMETERS, **user, "out_dir": out})
+    cfg = phase2_run.Phase2Config(**{**DEMO_PARAMETERS, **user, "out_dir": out})
     me, peak = psutil.Process(), [0]
 
     def sample():
