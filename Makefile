@@ -41,8 +41,8 @@ pytest: setup
 test: export-check nbtest pytest
 
 # The runs of record, committed under runs/ (each command re-runs its report; finished calibration jobs are kept; ~15 h
-# of one CPU core, most of it the calibration: 720 Phase-2 runs × ~15 s, 510 Phase-3 seeds (80 in each of the six
-# worlds whose effect sits near the line, 10 in the other three) × ~45 s and their decoy arms × ~18 s):
+# of one CPU core, most of it the calibration: 720 Phase-2 runs × ~15 s, 580 Phase-3 seeds (80 in each of seven
+# worlds: the six whose effect sits near the line and `signal`; 10 in the other two) × ~45 s and their decoy arms × ~18 s):
 # the demo, the Phase-2 decision's calibration, a Phase-1 probe and a small Phase-3 sweep with its summary.
 POOLS := runs/demo/0-projected/pools
 record: setup
@@ -51,7 +51,7 @@ record: setup
 	$(BIN)/python -c "from entropy_grpo.truth import measure_alignment, measure_truth; \
 	    measure_alignment('runs/calibration', seeds=10, first_seed=2000); \
 	    measure_truth('runs/calibration', ['signal_partial', 'style_hack_2pools', 'style_hack', 'style_only', \
-	                  'style_only_2pools', 'no_content'], seeds=80, first_seed=2000)"
+	                  'style_only_2pools', 'no_content', 'signal'], seeds=80, first_seed=2000)"
 	# the report again over everything above (its finished jobs are kept)
 	$(BIN)/entropy-grpo calibrate --seeds 80 --out runs/calibration -p first_seed=2000 -p record=True
 	$(BIN)/python -c "from entropy_grpo.truth import measure_truth; measure_truth('runs/calibration/k8', \
