@@ -8,9 +8,15 @@ one explicit trim instead — the difference is memory glibc's allocator held bu
 settings come from the environment (e.g. `MALLOC_MMAP_THRESHOLD_=262144`: every freed block above 256 kB goes
 straight back, at the cost of a page fault each time it is allocated again); the script prints the ones set.
 
+`--detail MODULE:NAME` (repeatable; e.g. `probes:first_order_delta_entropy`, `probes:DeltaEntropyIS.noise_floor`)
+wraps that attribute of `entropy_grpo.MODULE` and prints a line per call — its seconds, its peak RSS and the RSS it
+ends at — so a phase's peak can be pinned on the step that makes it. Patch a function where it is looked up (the
+module that imported it by name).
+
     python bench/phase_memory.py [--out /tmp/phase_memory] [--no-trim] [--until entropy_probe] [-p NAME=VALUE ...]
+                                 [--detail MODULE:NAME ...]
 """
-import argparse, ast, os, sys, tempfile, threading, time
+import argparse, ast, functools, importlib, os, sys, tempfile, threading, time
 
 import psutil
 
@@ -23,12 +29,34 @@ def _value(text:str):
     except (ValueError, SyntaxError): return text
 
 
+def watch(target:str, me, frames:list):
+    "Wrap entropy_grpo.MODULE's NAME (a dotted attribute path) to print each call's seconds, peak RSS and end RSS."
+    mod, path = target.split(":")
+    *owner_path, name = path.split(".")
+    owner = functools.reduce(getattr, owner_path, importlib.import_module(f"entropy_grpo.{mod}"))
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kw):
+        frame, t = [me.memory_info().rss], time.perf_counter()
+        frames.append(frame)
+        try: return fn(*args, **kw)
+        finally:
+            frames[:] = [f for f in frames if f is not frame]      # by identity: equal peaks are other frames
+            end = me.memory_info().rss
+            print(f"|   {path} | {time.perf_counter() - t:.0f} | | {max(frame[0], end) / 1e9:.2f} | {end / 1e9:.2f} |",
+                  flush=True)
+
+    setattr(owner, name, wrapped)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="the run's out_dir (default: a fresh temporary one)")
     ap.add_argument("--no-trim", action="store_true", help="no trim at phase ends; report RSS before/after one")
     ap.add_argument("--until", choices=PHASES, default=PHASES[-1], help="the last phase to run")
     ap.add_argument("-p", action="append", default=[], metavar="NAME=VALUE", help="a Phase2Config override")
+    ap.add_argument("--detail", action="append", default=[], metavar="MODULE:NAME", help="a function to time per call")
     a = ap.parse_args()
     from entropy_grpo import phase2_run
     from entropy_grpo.cli import DEMO_PARAMETERS
@@ -38,10 +66,14 @@ def main():
     out = a.out or tempfile.mkdtemp(prefix="phase_memory-")
     cfg = phase2_run.Phase2Config(**{**DEMO_PARAMETERS, **user, "out_dir": out})
     me, peak = psutil.Process(), [0]
+    frames = [peak]                                   # [peak] of the phase and of every watched call in progress
+    for target in a.detail: watch(target, me, frames)
 
     def sample():
         while True:
-            peak[0] = max(peak[0], me.memory_info().rss); time.sleep(0.2)
+            rss = me.memory_info().rss
+            for f in list(frames): f[0] = max(f[0], rss)
+            time.sleep(0.2)
 
     threading.Thread(target=sample, daemon=True).start()
     env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}

@@ -33,7 +33,7 @@ from .training import LOSS_TYPE_OF, TrainConfig, build_optimizer, train
 from .utils import TemplateConfig, check_choice, check_range, trim_memory, write_json
 
 # %% auto #0
-__all__ = ['PROBE_TF_BATCH', 'Phase2Config', 'Phase2Run']
+__all__ = ['PROBE_TF_BATCH', 'PROBE_HEAD_CHUNK', 'Phase2Config', 'Phase2Run']
 
 # %% ../nbs/06b_phase2_run.ipynb #69eb6fb1
 @dataclass
@@ -216,7 +216,8 @@ def in_sample(self:Phase2Run) -> dict:
     adv = group_advantages(torch.tensor([[float(r["reward"]) for r in g] for g in groups], device=dev))
     named = {n: p for n, p in self.adapter.model.named_parameters() if p.requires_grad}
     con = sample_contributions(self.student, replay_batch(groups, self.tok, "hint_prompt"), named, adv,
-                               length_norm=c.length_norm, num_prompts=len(groups))
+                               length_norm=c.length_norm, num_prompts=len(groups),
+                               prompts_per_microbatch=1)                       # one group per backward
     cos = cosines(con.grads, self.v_hack.direction(self.adapter)).tolist()
     out = {}
     for p in self.pools:
@@ -233,7 +234,7 @@ def on_policy(self:Phase2Run, task=None) -> dict:
     c = self.cfg
     if not c.on_policy_prompts: return {}
     tc = TrainConfig(prompts_per_step=1, num_generations=c.G, learning_rate=c.lr, loss_type=LOSS_TYPE_OF[c.length_norm],
-                     hint=True, seed=c.seed, generation=self.gen)
+                     hint=True, seed=c.seed, generation=self.gen, prompts_per_microbatch=1)   # one group per backward
     self.on_policy_result = on_policy_alignment(self.adapter, self.tok, task or self.task, self.gen, tc, self.v_hack,
                                                 c.on_policy_prompts, c.seed + 20_000, n_random=5 * c.n_controls)
     self._done("on_policy")
@@ -317,6 +318,7 @@ def alignment_figure(self:Phase2Run):
 
 # %% ../nbs/06b_phase2_run.ipynb #3ec5251b
 PROBE_TF_BATCH = 8   # sequences per teacher-forcing pass of the float64 probe (at least one prompt's G)
+PROBE_HEAD_CHUNK = 64  # positions per LM-head chunk of the float64 probe: its [positions, V] float64 tensors
 
 @patch
 def entropy_probe(self:Phase2Run) -> dict:
@@ -324,7 +326,7 @@ def entropy_probe(self:Phase2Run) -> dict:
     c = self.cfg
     sp = SequenceProcessor(self.adapter.model, self.tok, GenerationConfig(
         temperature=c.temperature, top_p=c.top_p, max_new_tokens=c.max_new_tokens, num_generations=c.G,
-        tf_batch_size=PROBE_TF_BATCH), progress=False)
+        tf_batch_size=PROBE_TF_BATCH, head_chunk_size=PROBE_HEAD_CHUNK), progress=False)
     pc = ProbeComponents(self.adapter.model, self.tok, self.task, sequence_processor=sp,
                          batch_config=BatchConfig(E_total_sequences=c.E_total_sequences, G=c.G, hint=True, seed=c.seed))
     E = pc.sample_E_batch()

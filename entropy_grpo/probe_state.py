@@ -14,7 +14,7 @@ from .sequence_processor import SequenceProcessor
 from .utils import base_optimizer
 
 # %% auto #0
-__all__ = ['TrainingState', 'probe_dtype', 'plain_forward', 'probe_copy']
+__all__ = ['ULP_CHUNK', 'TrainingState', 'probe_dtype', 'plain_forward', 'cast_copy', 'probe_checkpointing', 'probe_copy']
 
 # %% ../nbs/02a_probe_state.ipynb #27ae576c
 class TrainingState:
@@ -67,20 +67,33 @@ def plain_forward(model):
             vars(m).pop("forward", None)
     return model
 
+# %% ../nbs/02a_probe_state.ipynb #89fc8379
+def cast_copy(model:torch.nn.Module, dtype:torch.dtype) -> torch.nn.Module:
+    "A deep copy of `model` with its floating-point parameters and buffers in `dtype`, cast tensor by tensor (no"
+    " whole copy in the old dtype first); tied parameters stay tied."
+    memo = {id(p): torch.nn.Parameter(p.detach().to(dtype if p.is_floating_point() else p.dtype, copy=True),
+                                      requires_grad=p.requires_grad) for p in model.parameters()}
+    memo.update({id(b): b.to(dtype if b.is_floating_point() else b.dtype, copy=True) for b in model.buffers()})
+    return copy.deepcopy(model, memo)
+
+def probe_checkpointing(model, dtype:torch.dtype, setting:bool|str|None="auto") -> bool:
+    "Gradient checkpointing of a probe copy: `setting` when True or False; 'auto': on in float64, else by size."
+    return True if setting in (None, "auto") and dtype == torch.float64 else wants_checkpointing(model, setting)
+
 def probe_copy(
     sp:SequenceProcessor,             # scores the run's model
     optimizer:torch.optim.Optimizer|None,  # steps its parameters (or a wrapper holding it); None: no optimizer copy
     dtype:torch.dtype,
-    checkpointing:bool|str|None="auto",  # the copy's gradient checkpointing; "auto": above CHECKPOINT_ABOVE parameters
+    checkpointing:bool|str|None="auto",  # the copy's gradient checkpointing; "auto": `probe_checkpointing`'s
 )->tuple[SequenceProcessor, torch.optim.Optimizer|None]:  # the same pair (norms made float64) when already in `dtype`
     "A copy of the model in `dtype` with its own SequenceProcessor and an optimizer of the same kind, state cast."
     if "forward" not in vars(sp.model) and all(p.dtype == dtype for p in sp.model.parameters()
                                                           if p.is_floating_point()):
         if dtype == torch.float64: full_precision_norms(sp.model)
         return sp, optimizer
-    model = plain_forward(copy.deepcopy(sp.model)).to(dtype)
+    model = plain_forward(cast_copy(sp.model, dtype))
     if dtype == torch.float64: full_precision_norms(model)
-    if wants_checkpointing(model, checkpointing): checkpointed_train_mode(model)
+    if probe_checkpointing(model, dtype, checkpointing): checkpointed_train_mode(model)
     psp = SequenceProcessor(model, sp.tokenizer, sp.config, progress=sp.progress)
     if optimizer is None: return psp, None
     optimizer, name = base_optimizer(optimizer), {id(p): n for n, p in sp.model.named_parameters()}
@@ -94,11 +107,16 @@ def probe_copy(
         s.update({k: v.clone() for k, v in s.items() if id(v) in kept})   # which a probe step would advance in place
     return psp, opt
 
+ULP_CHUNK = 1 << 20   # entries per slice of a one-ulp move (two 8 MB float64 temporaries)
+
 @torch.no_grad()
 def _ulp_steps(params:list, seed:int, undo:bool=False):
     "Move every entry one ulp up or down (a fair coin per entry, from `seed`); undo=True steps back exactly."
     gen = torch.Generator().manual_seed(seed)
     for p in params:
-        up = (torch.rand(p.shape, generator=gen) < 0.5).to(p.device)
+        up = (torch.rand(p.shape, generator=gen) < 0.5).to(p.device).view(-1)
         inf = torch.tensor(float("inf"), dtype=p.dtype, device=p.device)
-        p.copy_(torch.nextafter(p, torch.where(up != undo, inf, -inf)))
+        flat = p.view(-1)
+        for s in range(0, flat.numel(), ULP_CHUNK):     # in slices: no float64 temporaries of a whole embedding
+            x = flat[s:s + ULP_CHUNK]
+            x.copy_(torch.nextafter(x, torch.where(up[s:s + ULP_CHUNK] != undo, inf, -inf)))

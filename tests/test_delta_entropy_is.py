@@ -84,6 +84,38 @@ def test_a_float64_copy_leaves_the_runs_optimizer_and_checkpointing_changes_noth
     assert dH[0]["deltaH_true"] == dH[2]["deltaH_true"] and abs(dH[0]["deltaH_true"] - dH[1]["deltaH_true"]) < 1e-12
 
 
+def test_the_float64_copy_is_cast_tensor_by_tensor_and_checkpointed_by_default(tiny):
+    """cast_copy equals a float32 deepcopy cast whole (every parameter and buffer, bitwise), keeps tied weights tied
+    and shares no storage with the original; probe_copy's "auto" checkpoints a float64 copy, not a float32 one."""
+    from entropy_grpo.probe_state import cast_copy
+    _, sp, E, U, opt = make_probe(tiny)
+    model = copy.deepcopy(sp.model)
+    model.lm_head.weight = model.get_input_embeddings().weight             # tied, as in SmolLM2
+    ref, got = copy.deepcopy(model).to(torch.float64), cast_copy(model, torch.float64)
+    for (n, a), (_, b) in zip(list(ref.named_parameters()) + list(ref.named_buffers()),
+                              list(got.named_parameters()) + list(got.named_buffers())):
+        assert a.dtype == b.dtype and torch.equal(a, b), n
+    assert got.lm_head.weight is got.get_input_embeddings().weight
+    assert {p.data_ptr() for p in got.parameters()}.isdisjoint(p.data_ptr() for p in model.parameters())
+    assert [p.requires_grad for p in got.parameters()] == [p.requires_grad for p in model.parameters()]
+    assert probe_copy(sp, opt, torch.float64)[0].model.is_gradient_checkpointing
+    assert not probe_copy(sp, opt, torch.float64, checkpointing=False)[0].model.is_gradient_checkpointing
+
+
+def test_one_ulp_moves_in_slices_are_the_same_moves_and_undo_exactly(monkeypatch):
+    "_ulp_steps in slices of 7 entries moves every entry as in one piece (same coins), and undo restores bitwise."
+    from entropy_grpo import probe_state
+    ps = [torch.randn(5, 9, dtype=torch.float64), torch.randn(3, dtype=torch.float64)]
+    whole, sliced = [p.clone() for p in ps], [p.clone() for p in ps]
+    probe_state._ulp_steps(whole, seed=3)
+    monkeypatch.setattr(probe_state, "ULP_CHUNK", 7)
+    probe_state._ulp_steps(sliced, seed=3)
+    assert all(torch.equal(a, b) and not torch.equal(a, p) for a, b, p in zip(whole, sliced, ps))
+    assert all((a - p).abs().max() <= torch.finfo(p.dtype).eps * p.abs().max() for a, p in zip(sliced, ps))
+    probe_state._ulp_steps(sliced, seed=3, undo=True)
+    assert all(torch.equal(a, p) for a, p in zip(sliced, ps))
+
+
 def test_restore_when_update_raises_midway(tiny, monkeypatch):
     model, sp, E, U, opt = make_probe(tiny)
     before = snapshot(model, opt)

@@ -127,6 +127,18 @@ def test_fit_hack_teacher_lowers_nll_of_unseen_demonstrations(tiny):
               contains="steps=0: expected an integer >= 1", exc=ValueError)
 
 
+def test_fit_hack_teacher_checkpoints_and_changes_nothing(tiny, monkeypatch):
+    "The fit's gradient checkpointing (for memory) gives the same teacher bitwise, and is off again when it returns."
+    from entropy_grpo import teachers
+    model, tok = tiny
+    fit = lambda: fit_hack_teacher(copy.deepcopy(model), tok, ArithmeticTask(50), steps=3, batch=4, lora_r=4, lr=1e-2)
+    on, nll_on = fit()
+    assert not on.is_gradient_checkpointing and not on.training
+    monkeypatch.setattr(teachers, "set_checkpointing", lambda m, on=True: m)
+    off, nll_off = fit()
+    assert nll_on == nll_off and all(torch.equal(a, b) for a, b in zip(on.parameters(), off.parameters()))
+
+
 def _write(path, lines):
     with gzip.open(path, "wt") as f: f.write("".join(l + "\n" for l in lines))
 
