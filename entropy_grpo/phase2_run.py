@@ -33,7 +33,7 @@ from .training import LOSS_TYPE_OF, TrainConfig, build_optimizer, train
 from .utils import TemplateConfig, check_choice, check_range, trim_memory, write_json
 
 # %% auto #0
-__all__ = ['PROBE_TF_BATCH', 'PROBE_HEAD_CHUNK', 'Phase2Config', 'Phase2Run']
+__all__ = ['PROBE_TF_BATCH', 'Phase2Config', 'Phase2Run']
 
 # %% ../nbs/06b_phase2_run.ipynb #69eb6fb1
 @dataclass
@@ -318,7 +318,6 @@ def alignment_figure(self:Phase2Run):
 
 # %% ../nbs/06b_phase2_run.ipynb #3ec5251b
 PROBE_TF_BATCH = 8   # sequences per teacher-forcing pass of the float64 probe (at least one prompt's G)
-PROBE_HEAD_CHUNK = 64  # positions per LM-head chunk of the float64 probe: its [positions, V] float64 tensors
 
 @patch
 def entropy_probe(self:Phase2Run) -> dict:
@@ -326,7 +325,7 @@ def entropy_probe(self:Phase2Run) -> dict:
     c = self.cfg
     sp = SequenceProcessor(self.adapter.model, self.tok, GenerationConfig(
         temperature=c.temperature, top_p=c.top_p, max_new_tokens=c.max_new_tokens, num_generations=c.G,
-        tf_batch_size=PROBE_TF_BATCH, head_chunk_size=PROBE_HEAD_CHUNK), progress=False)
+        tf_batch_size=PROBE_TF_BATCH), progress=False)
     pc = ProbeComponents(self.adapter.model, self.tok, self.task, sequence_processor=sp,
                          batch_config=BatchConfig(E_total_sequences=c.E_total_sequences, G=c.G, hint=True, seed=c.seed))
     E = pc.sample_E_batch()

@@ -14,7 +14,7 @@ from .adapters import add_delta_s, add_lora
 from .dr_grpo import policy_gradient_backward
 from .policies import (convert_default_policy, policy_by_name, set_checkpointing, tiny_policy,
                                    wants_checkpointing)
-from .phase2_run import PROBE_HEAD_CHUNK, PROBE_TF_BATCH, Phase2Config
+from .phase2_run import PROBE_TF_BATCH, Phase2Config
 from .phase3_run import PRESETS
 from .probe_state import probe_checkpointing
 from .projection_arms import ARM_ADAPTER
@@ -103,9 +103,9 @@ def _adapter(s:dict, adapter:str, w:int) -> tuple[int, int, int]:
     return s["params"], 0, 3 * w                                                # full: grad, m, v in the dtype
 
 # %% ../nbs/07b_plan.ipynb #a123e67b
-def _head(s:dict, run:RunShape, n:int, b:int, chunk:int|None=None) -> int:
+def _head(s:dict, run:RunShape, n:int, b:int) -> int:
     "Bytes of the LM head's pass over n completion positions in a b-byte dtype: their hiddens + one chunk's logits."
-    return n * s["d"] * b + 4 * b * min(chunk or run.head_chunk_size, n) * s["vocab"]
+    return n * s["d"] * b + 4 * b * min(run.head_chunk_size, n) * s["vocab"]
 
 def _activations(s:dict, tokens:int, b:int, ckpt:bool) -> int:
     "Bytes a backward keeps for `tokens` tokens (b bytes each): all layers' sets, or (checkpointed) inputs + one set."
@@ -124,7 +124,7 @@ def _probe_phase(s:dict, run:RunShape, ckpt:bool) -> tuple:
     parts = dict(float64_copy=P * 8 + (s["svd_elements"] * 8 if ad == "delta_s" else 0),
                  state=trainable * (8 + 8 + 16) * 2,            # param, grad, m, v in float64; and their snapshot
                  activations=_activations(s, run.probe_microbatch * ctx, 8, ckpt),
-                 head=_head(s, run, run.probe_microbatch * run.max_new_tokens, 8, PROBE_HEAD_CHUNK))
+                 head=_head(s, run, run.probe_microbatch * run.max_new_tokens, 8))
     flops = 2 * P * 3 * run.probe_E * ctx + (8 + 2 * ckpt) * P * run.probe_U * ctx + \
         4 * _attn_flops(s, run.probe_E, ctx)
     return ("entropy probe", parts, extra, flops, f"float64 copy, {ad}; |E| = {run.probe_E}, U = {run.probe_U}, "
