@@ -71,9 +71,9 @@ def plain_forward(model):
 def cast_copy(model:torch.nn.Module, dtype:torch.dtype) -> torch.nn.Module:
     "A deep copy of `model` with its floating-point parameters and buffers in `dtype`, cast tensor by tensor (no"
     " whole copy in the old dtype first); tied parameters stay tied."
-    memo = {id(p): torch.nn.Parameter(p.detach().to(dtype if p.is_floating_point() else p.dtype, copy=True),
-                                      requires_grad=p.requires_grad) for p in model.parameters()}
-    memo.update({id(b): b.to(dtype if b.is_floating_point() else b.dtype, copy=True) for b in model.buffers()})
+    cast = lambda t: t.detach().to(dtype if t.is_floating_point() else t.dtype, copy=True)
+    memo = {id(p): torch.nn.Parameter(cast(p), requires_grad=p.requires_grad) for p in model.parameters()}
+    memo.update({id(b): cast(b) for b in model.buffers()})
     return copy.deepcopy(model, memo)
 
 def probe_checkpointing(model, dtype:torch.dtype, setting:bool|str|None="auto") -> bool:

@@ -132,8 +132,10 @@ def test_fit_hack_teacher_checkpoints_and_changes_nothing(tiny, monkeypatch):
     from entropy_grpo import teachers
     model, tok = tiny
     fit = lambda: fit_hack_teacher(copy.deepcopy(model), tok, ArithmeticTask(50), steps=3, batch=4, lora_r=4, lr=1e-2)
+    seen, real = [], teachers.set_checkpointing
+    monkeypatch.setattr(teachers, "set_checkpointing", lambda m, on=True: (seen.append(on), real(m, on))[1])
     on, nll_on = fit()
-    assert not on.is_gradient_checkpointing and not on.training
+    assert seen == [True, False] and not on.is_gradient_checkpointing and not on.training
     monkeypatch.setattr(teachers, "set_checkpointing", lambda m, on=True: m)
     off, nll_off = fit()
     assert nll_on == nll_off and all(torch.equal(a, b) for a, b in zip(on.parameters(), off.parameters()))
