@@ -13,10 +13,10 @@ from torch import Tensor
 from .utils import atomic_path, check_choice
 
 # %% auto #0
-__all__ = ['log', 'DEFAULT_POLICY', 'DEFAULT_GGUF', 'SMOLLM2_INSTALL', 'CHECKPOINT_ABOVE', 'TINY_EOS', 'TINY_PAD',
-           'default_device', 'resolve_dtype', 'wants_checkpointing', 'set_checkpointing', 'checkpointed_train_mode',
-           'full_precision_norms', 'prepare_tokenizer', 'cache_dir', 'smollm2_gguf_path', 'convert_default_policy',
-           'load_policy', 'tiny_tokenizer', 'tiny_policy', 'policy_by_name']
+__all__ = ['log', 'DEFAULT_POLICY', 'DEFAULT_GGUF', 'SMOLLM2_INSTALL', 'CHECKPOINT_ABOVE', 'PROBE_CHECKPOINT_ABOVE', 'TINY_EOS',
+           'TINY_PAD', 'default_device', 'resolve_dtype', 'wants_checkpointing', 'set_checkpointing',
+           'checkpointed_train_mode', 'full_precision_norms', 'prepare_tokenizer', 'cache_dir', 'smollm2_gguf_path',
+           'convert_default_policy', 'load_policy', 'tiny_tokenizer', 'tiny_policy', 'policy_by_name']
 
 # %% ../nbs/00a_policies.ipynb #02453bff
 log = logging.getLogger(__name__)
@@ -45,13 +45,15 @@ def resolve_dtype(dtype=None, device=None) -> torch.dtype:
 
 # %% ../nbs/00a_policies.ipynb #02dbad2d
 CHECKPOINT_ABOVE = 1_000_000_000   # parameters: gradient checkpointing on by default above this (Qwen3-4B: on)
+PROBE_CHECKPOINT_ABOVE = 10_000_000   # parameters: the float64 probe copy and the teacher fit checkpoint above this
 
-def wants_checkpointing(model, setting:bool|str|None="auto") -> bool:
-    "`setting` when True or False; None or 'auto': whether `model` (or a parameter count) exceeds CHECKPOINT_ABOVE."
+def wants_checkpointing(model, setting:bool|str|None="auto", above:int|None=None) -> bool:
+    "`setting` when True or False; None or 'auto': whether `model` (or a parameter count) exceeds `above`"
+    " (None: CHECKPOINT_ABOVE)."
     check_choice("gradient_checkpointing", setting, (None, "auto", True, False))
     if setting not in (None, "auto"): return bool(setting)
     n = model if isinstance(model, int) else sum(p.numel() for p in model.parameters())
-    return n > CHECKPOINT_ABOVE
+    return n > (CHECKPOINT_ABOVE if above is None else above)
 
 def set_checkpointing(model, on:bool=True):
     "Non-reentrant gradient checkpointing on (or off) for a transformers model; transformers 5's name first."

@@ -9,7 +9,8 @@ import copy, random
 import numpy as np
 import torch
 
-from .policies import checkpointed_train_mode, full_precision_norms, wants_checkpointing
+from .policies import (PROBE_CHECKPOINT_ABOVE, checkpointed_train_mode, full_precision_norms,
+                                   wants_checkpointing)
 from .sequence_processor import SequenceProcessor
 from .utils import base_optimizer
 
@@ -77,8 +78,8 @@ def cast_copy(model:torch.nn.Module, dtype:torch.dtype) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 def probe_checkpointing(model, dtype:torch.dtype, setting:bool|str|None="auto") -> bool:
-    "Gradient checkpointing of a probe copy: `setting` when True or False; 'auto': on in float64, else by size."
-    return True if setting in (None, "auto") and dtype == torch.float64 else wants_checkpointing(model, setting)
+    "Gradient checkpointing of a probe copy: `setting` when True or False; 'auto': by size (float64: lower size)."
+    return wants_checkpointing(model, setting, PROBE_CHECKPOINT_ABOVE if dtype == torch.float64 else None)
 
 def probe_copy(
     sp:SequenceProcessor,             # scores the run's model

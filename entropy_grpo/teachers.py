@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .policies import set_checkpointing
+from .policies import PROBE_CHECKPOINT_ABOVE, set_checkpointing, wants_checkpointing
 from .pools import Pool, build_pool
 from .sequence_processor import GenerationConfig
 from .training import TrainConfig, apply_lora, build_optimizer
@@ -52,7 +52,8 @@ def fit_hack_teacher(
     opt = build_optimizer([p for p in teacher.parameters() if p.requires_grad], cfg)
     rng, dev, losses = random.Random(seed), next(teacher.parameters()).device, []
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    set_checkpointing(teacher)          # the demo's fit (SmolLM2, 8 demonstrations) peaks at 3.5 GB, 4.6 GB without
+    ckpt = wants_checkpointing(teacher, "auto", PROBE_CHECKPOINT_ABOVE)
+    if ckpt: set_checkpointing(teacher)   # the demo's fit (SmolLM2, 8 demonstrations) peaks at 3.5 GB, 4.6 GB without
     teacher.train()
     for _ in tqdm(range(steps), desc="hack teacher", disable=tqdm_disable(progress)):
         rows = []
@@ -67,7 +68,7 @@ def fit_hack_teacher(
         loss = teacher(input_ids=ids, attention_mask=attn, labels=labels, use_cache=False).loss
         opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
         losses.append(float(loss.detach()))
-    set_checkpointing(teacher, False)
+    if ckpt: set_checkpointing(teacher, False)
     teacher.eval()
     return teacher, losses
 

@@ -84,9 +84,11 @@ def test_a_float64_copy_leaves_the_runs_optimizer_and_checkpointing_changes_noth
     assert dH[0]["deltaH_true"] == dH[2]["deltaH_true"] and abs(dH[0]["deltaH_true"] - dH[1]["deltaH_true"]) < 1e-12
 
 
-def test_the_float64_copy_is_cast_tensor_by_tensor_and_checkpointed_by_default(tiny):
+def test_the_float64_copy_is_cast_tensor_by_tensor_and_checkpointed_above_a_size(tiny, monkeypatch):
     """cast_copy equals a float32 deepcopy cast whole (every parameter and buffer, bitwise), keeps tied weights tied
-    and shares no storage with the original; probe_copy's "auto" checkpoints a float64 copy, not a float32 one."""
+    and shares no storage with the original; probe_copy's "auto" checkpoints a float64 copy above
+    PROBE_CHECKPOINT_ABOVE parameters, a float32 one only above CHECKPOINT_ABOVE."""
+    from entropy_grpo import probe_state
     from entropy_grpo.probe_state import cast_copy
     _, sp, E, U, opt = make_probe(tiny)
     model = copy.deepcopy(sp.model)
@@ -98,8 +100,11 @@ def test_the_float64_copy_is_cast_tensor_by_tensor_and_checkpointed_by_default(t
     assert got.lm_head.weight is got.get_input_embeddings().weight
     assert {p.data_ptr() for p in got.parameters()}.isdisjoint(p.data_ptr() for p in model.parameters())
     assert [p.requires_grad for p in got.parameters()] == [p.requires_grad for p in model.parameters()]
-    assert probe_copy(sp, opt, torch.float64)[0].model.is_gradient_checkpointing
+    assert not probe_copy(sp, opt, torch.float64)[0].model.is_gradient_checkpointing            # 0.05 M parameters
     assert not probe_copy(sp, opt, torch.float64, checkpointing=False)[0].model.is_gradient_checkpointing
+    monkeypatch.setattr(probe_state, "PROBE_CHECKPOINT_ABOVE", 0)
+    assert probe_copy(sp, opt, torch.float64)[0].model.is_gradient_checkpointing
+    assert not probe_state.probe_checkpointing(sp.model, torch.float32)
 
 
 def test_one_ulp_moves_in_slices_are_the_same_moves_and_undo_exactly(monkeypatch):

@@ -132,6 +132,7 @@ def test_fit_hack_teacher_checkpoints_and_changes_nothing(tiny, monkeypatch):
     from entropy_grpo import teachers
     model, tok = tiny
     fit = lambda: fit_hack_teacher(copy.deepcopy(model), tok, ArithmeticTask(50), steps=3, batch=4, lora_r=4, lr=1e-2)
+    monkeypatch.setattr(teachers, "PROBE_CHECKPOINT_ABOVE", 0)                     # the tiny model checkpoints too
     seen, real = [], teachers.set_checkpointing
     monkeypatch.setattr(teachers, "set_checkpointing", lambda m, on=True: (seen.append(on), real(m, on))[1])
     on, nll_on = fit()

@@ -125,15 +125,18 @@ def test_every_phase2_parameter_reaches_the_run_config():
 
 
 def test_calibration_template_on_one_world(tmp_path):
-    """The calibration report: one seed of one world at small sizes; a re-run of the finished report starts clean and
-    counts that seed once (resuming a killed calibration is test_calibration's)."""
+    """The calibration report: one seed of one world and two Phase-3 seeds of 4 steps, at small sizes; a re-run of the
+    finished report starts clean and counts that seed once (resuming a killed calibration is test_calibration's)."""
     run = tmp_path / "calibration"
     small = dict(steps=4, n_controls=3, pool_steps=8, fit_steps=2, min_clean=3, min_hacked=3)
-    params = dict(seeds=1, worlds=["no_content"], phase2_parameters=small)
+    params = dict(seeds=1, worlds=["no_content"], phase2_parameters=small, phase3_seeds=2, phase3_steps=4)
     out = run_notebook("calibration", run, params, log_path=tmp_path / "LOG.md", raise_on_error=True)
     m = json.loads((run / "metrics.json").read_text())
     assert out["status"] == "ok" and m["results"]["worlds"]["no_content"]["n"] == 1
     assert m["results"]["worlds"]["no_content"]["launches"] == 0 and (run / "calibration.png").exists()
+    assert m["figures"] == ["calibration.png", "agreement.png"] and (run / "agreement.png").exists()
+    assert sorted(p.name for p in (run / "phase3").glob("no_content-*.json")) == ["no_content-1000.json",
+                                                                              "no_content-1001.json"]
     first = json.loads((run / "runs" / "no_content-1000.json").read_text())
     run_notebook("calibration", run, params, log_path=tmp_path / "LOG.md", raise_on_error=True)
     again = json.loads((run / "metrics.json").read_text())["results"]["worlds"]["no_content"]

@@ -289,9 +289,10 @@ def test_first_order_prediction_is_the_fixed_support_change_at_a_small_step(tiny
 
 
 def test_a_checkpointed_copy_stays_checkpointed(tiny, tmp_path, monkeypatch):
-    "Above CHECKPOINT_ABOVE parameters the copy is checkpointed (train mode, dropouts 0) and measures the same step."
-    from entropy_grpo import policies
-    monkeypatch.setattr(policies, "CHECKPOINT_ABOVE", 0)
+    "Above PROBE_CHECKPOINT_ABOVE parameters the float64 copy is checkpointed (train mode, dropouts 0) and measures"
+    " the same step."
+    from entropy_grpo import probe_state
+    monkeypatch.setattr(probe_state, "PROBE_CHECKPOINT_ABOVE", 0)
     trainer = grpo_trainer(tiny, tmp_path, max_steps=1)
     probe = add_grpo_probe(trainer, dict(every=1, n_prompts=2))
     rec = Stepped(probe)
