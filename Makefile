@@ -28,8 +28,8 @@ readme: setup
 export-check: setup
 	$(BIN)/nbdev-export
 	$(BIN)/python tools/make_readme.py
-	@if [ -n "$$(git status --porcelain -- entropy_grpo README.md)" ]; then \
-	  git status --porcelain -- entropy_grpo README.md; \
+	@if [ -n "$$(git status --porcelain -- entropy_grpo README.md nbs/figures)" ]; then \
+	  git status --porcelain -- entropy_grpo README.md nbs/figures; \
 	  echo "nbdev-export/README changed the files above: commit them with their notebooks"; exit 1; fi
 
 nbtest: setup

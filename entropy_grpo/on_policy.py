@@ -52,7 +52,8 @@ def on_policy_alignment(
     prompts:int=16,            # prompts per batch (two batches)
     seed:int=0,
     n_random:int=100,          # random bases for the null
-) -> dict:                     # alignment (signed), subspace (‖P_V g‖/‖g‖), per batch, reproducibility, nulls
+) -> dict:                     # alignment (signed), subspace (‖P_V g‖/‖g‖), per batch,
+                               # reproducibility, nulls (null_cos: each random basis' signed cos)
     "How far v_hack points along the policy's own hack gradient, against random bases of its shape."
     check_range("n_random", n_random, 1, integer=True)
     (g1, h1), (g2, h2) = (hack_gradient(adapter, tokenizer, task, generation, config, prompts, seed + i)
@@ -66,7 +67,8 @@ def on_policy_alignment(
     (a, sub), q = cos(g, v_hack.V), np.quantile(np.abs(null), 0.95, axis=0)
     return dict(alignment=a, subspace=sub, batches=[cos(g1, v_hack.V)[0], cos(g2, v_hack.V)[0]],
                 reproducibility=float(torch.nn.functional.cosine_similarity(flat(g1), flat(g2), dim=0)),
-                null_mean=float(np.mean(null[:, 0])), null_q95=float(q[0]), subspace_null_q95=float(q[1]),
+                null_cos=null[:, 0].tolist(), null_mean=float(np.mean(null[:, 0])), null_q95=float(q[0]),
+                subspace_null_q95=float(q[1]),
                 hack_rate=(h1 + h2) / 2, replies=2 * prompts * generation.num_generations)
 
 # %% ../nbs/05b_on_policy.ipynb #833305c7

@@ -73,6 +73,7 @@ def test_a_random_basis_is_within_its_null_and_the_row_says_so(tok, tmp_path):
     assert abs(r["alignment"]) <= 3 * r["null_q95"] and abs(r["null_mean"]) < r["null_q95"]
     assert 0 <= r["subspace"] <= 3 * r["subspace_null_q95"] and abs(r["alignment"]) <= r["subspace"]
     assert -1 <= r["reproducibility"] <= 1 and len(r["batches"]) == 2 and r["replies"] == 2 * 4 * 8
+    assert len(r["null_cos"]) == 40 and r["null_q95"] == np.quantile(np.abs(r["null_cos"]), 0.95)
     row = on_policy_row(r, "projected")
     assert row["key"] == "on_policy" and row["verdict"] == "information"
     assert row["value"].startswith(f"{r['alignment']:+.3f}") and f"{r['null_q95']:.3f}" in row["null"]
