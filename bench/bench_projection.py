@@ -15,7 +15,8 @@ import torch
 from entropy_grpo.dr_grpo import group_advantages, policy_gradient_backward
 from entropy_grpo.policies import load_policy
 from entropy_grpo.adapters import add_delta_s, add_lora, clear_svd_cache, tensor_hash
-from entropy_grpo.projection_arms import ProjectionArm, extract_v_hack, planted_pairs, random_v_hack
+from entropy_grpo.pairs import planted_pairs
+from entropy_grpo.projection_arms import ProjectionArm, extract_v_hack, random_v_hack
 from entropy_grpo.sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")

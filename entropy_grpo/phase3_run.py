@@ -16,7 +16,8 @@ from .adapters import add_delta_s, add_lora
 from .dist import broadcast_, init_distributed, rank, world_size
 from .policies import policy_by_name
 from .pools import load_pool
-from .projection_arms import ARM_ADAPTER, ARMS, V_HACK_SOURCES, ProjectionArm, extract_v_hack, pool_pairs
+from .pairs import pool_pairs
+from .projection_arms import ARM_ADAPTER, ARMS, V_HACK_SOURCES, ProjectionArm, extract_v_hack
 from .reports import git_sha
 from .sequence_processor import GenerationConfig, SequenceProcessor
 from .tasks import ArithmeticTask

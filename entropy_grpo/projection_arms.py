@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_projection_arms.ipynb #84a023c5
 from __future__ import annotations
-import json, math, random
+import json, math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -14,78 +14,15 @@ from torch import Tensor
 
 from .adapters import Adapter, check_signature
 from .dr_grpo import LENGTH_NORMS, check_length_norm, dr_grpo_loss
-from .sequence_processor import BatchedSequences, SequenceProcessor, pack_sequences
+from .pairs import pair_sequences, planted_pairs, pool_pairs  # noqa: F401 (pairs' names, importable here too)
+from .sequence_processor import BatchedSequences, SequenceProcessor
 from .utils import atomic_path, check_choice
 
 # %% auto #0
-__all__ = ['V_HACK_LOSSES', 'V_HACK_SOURCES', 'GATES', 'COS_KEYS', 'NULL_KEYS', 'ARMS', 'ARM_ADAPTER', 'pair_sequences',
-           'planted_pairs', 'pool_pairs', 'pair_losses', 'pair_loss_difference', 'completion_gradients',
-           'pair_gradient_differences', 'permuted_differences', 'VHack', 'v_hack_from_differences', 'extract_v_hack',
-           'random_v_hack', 'alignment_stats', 'project_grad', 'arm_step', 'ProjectionArm']
-
-# %% ../nbs/05_projection_arms.ipynb #8c55a0da
-def pair_sequences(
-    triples:list,        # [(prompt_ids, hack_ids, clean_ids)] token-id lists
-    pad_id:int,
-)->BatchedSequences:     # [n, 2, T]: left-padded prompts (common width), right-padded completions
-    "A pair set from token ids; completion 0 = hack, 1 = clean."
-    if not triples: raise ValueError("triples=[]: expected at least one (prompt_ids, hack_ids, clean_ids)")
-    for i, (p, h, c) in enumerate(triples):
-        if not len(p) or not len(h) or not len(c):
-            raise ValueError(f"pair {i}: prompt, hack and clean completions must be non-empty")
-    return pack_sequences([[(p, h), (p, c)] for p, h, c in triples], pad_id,
-                          prompt_width=max(len(t[0]) for t in triples))
-
-def planted_pairs(
-    tokenizer,
-    n_pairs:int=24,
-    prompts:list|None=None,     # prompt strings, cycled over the pairs (default: one arithmetic prompt)
-    pattern_len:int=6,          # length of the planted token pattern
-    body_len:tuple=(2, 6),      # range of the random body length
-    seed:int=0,                 # draws the pattern (the same for every pair) and the bodies
-)->tuple[BatchedSequences, list]:   # (pairs [n, 2, T], the pattern's token ids)
-    "Pairs (body + pattern, body): random bodies, one fixed token pattern appended to every hack completion."
-    rng = random.Random(seed)
-    prompts = prompts or ["Question: What is 3 + 4? Answer:"]
-    special = set(tokenizer.all_special_ids)
-    vocab = [i for i in range(len(tokenizer)) if i not in special]
-    pattern = rng.sample(vocab, pattern_len)
-    triples = []
-    for i in range(n_pairs):
-        body = [rng.choice(vocab) for _ in range(rng.randint(*body_len))]
-        triples.append((tokenizer(prompts[i % len(prompts)], add_special_tokens=False)["input_ids"], body + pattern,
-                        body))
-    return pair_sequences(triples, tokenizer.pad_token_id), pattern
-
-# %% ../nbs/05_projection_arms.ipynb #45f71169
-def pool_pairs(
-    teacher,                    # `pools.Pool` (hint applied): hacked samples are taken from it
-    base,                       # `pools.Pool` (no hint): clean samples are taken from it
-    tokenizer,
-    prompt_key:str="student_prompt",  # the prompt both completions are scored under
-    max_pairs:int|None=None,
-)->list:                        # [(prompt_ids, hack_ids, clean_ids)]: pass to extract_v_hack
-    "(hack, clean) pairs of the same problem from a teacher and a base replay pool."
-    clean = {}
-    for r in base.records():
-        if not r["hacked"]: clean.setdefault(r["problem_id"], []).append(r)
-    triples = []
-    for r in teacher.records():
-        if not r["hacked"] or not clean.get(r["problem_id"]): continue
-        c = clean[r["problem_id"]].pop(0)
-        prompt = tokenizer(r[prompt_key], add_special_tokens=False)["input_ids"]
-        triples.append((prompt, list(r["completion_ids"]), list(c["completion_ids"])))
-        if max_pairs is not None and len(triples) == max_pairs: break
-    if not triples:
-        n_hack = sum(r["hacked"] for r in teacher.records())
-        if n_hack == 0:
-            raise ValueError(f"no (hack, clean) pair: teacher pool {teacher.name!r} has no hacked sample (its teacher "
-                             "never hacked: a policy too small to learn it, e.g. the tiny test policy; give pools that "
-                             "hold hacks, or a larger model)")
-        raise ValueError(f"no (hack, clean) pair: teacher pool {teacher.name!r} has {n_hack} hacked samples and base "
-                         f"pool {base.name!r} clean samples of {len(clean)} problems, none shared (build both pools "
-                         "with the same seed so that they draw the same problems)")
-    return triples
+__all__ = ['V_HACK_LOSSES', 'V_HACK_SOURCES', 'GATES', 'COS_KEYS', 'NULL_KEYS', 'ARMS', 'ARM_ADAPTER', 'pair_losses',
+           'pair_loss_difference', 'completion_gradients', 'pair_gradient_differences', 'permuted_differences', 'VHack',
+           'v_hack_from_differences', 'extract_v_hack', 'random_v_hack', 'alignment_stats', 'project_grad', 'arm_step',
+           'ProjectionArm']
 
 # %% ../nbs/05_projection_arms.ipynb #f1449d74
 V_HACK_LOSSES = {"nll": ("sample", "none"), "grpo": LENGTH_NORMS}

@@ -9,7 +9,7 @@ from fastcore.test import test_fail
 from entropy_grpo.adapters import add_delta_s, add_lora, clear_svd_cache, find_linears
 from entropy_grpo.dr_grpo import group_advantages, policy_gradient_backward
 from entropy_grpo.policies import tiny_policy
-from entropy_grpo.projection_arms import planted_pairs
+from entropy_grpo.pairs import planted_pairs
 from tiny_inputs import ATTN, batch, sp_for
 
 

@@ -114,7 +114,8 @@ def test_probes_run_on_a_gpu(tiny):
 def test_v_hack_pair_gradients_leave_the_gpu(tiny):
     "completion_gradients moves each pair's gradients to the CPU (at LoRA r 64 on 4 B: 377 MB per pair)."
     from entropy_grpo.adapters import add_lora
-    from entropy_grpo.projection_arms import completion_gradients, planted_pairs
+    from entropy_grpo.pairs import planted_pairs
+    from entropy_grpo.projection_arms import completion_gradients
     from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor
     model, tok = copy.deepcopy(tiny)
     la = add_lora(model.cuda(), ["q_proj", "v_proj"], r=4)

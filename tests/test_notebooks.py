@@ -1,5 +1,6 @@
 """The notebooks are the source: every nbs/*.ipynb (the experiment templates aside) exports a module that exists
-(the index excepted), opens with a `# Title`, and keeps at least one cell's output as committed lesson output."""
+(the index excepted), opens with a `# Title`, and keeps at least one cell's output as committed lesson output; every
+concept notebook numbered 01-06 or 08 keeps a figure, and the index's gallery shows each notebook's first one."""
 import json
 from pathlib import Path
 
@@ -26,3 +27,14 @@ def test_notebook_exports_has_a_title_and_kept_outputs(nb):
         assert (ROOT / "entropy_grpo" / f"{exports[0].replace('.', '/')}.py").exists(), exports
     assert any(c["text"].startswith("# ") for c in cells(nb, "markdown")), "no '# Title' markdown cell"
     assert any(c.get("outputs") for c in cells(nb, "code")), "no code cell keeps its output"
+
+
+FIGURED = [nb for nb in NOTEBOOKS if nb.name[:2] in ("01", "02", "03", "04", "05", "06", "08")]
+
+
+@pytest.mark.parametrize("nb", FIGURED, ids=lambda p: p.name)
+def test_concept_notebooks_keep_a_figure_and_the_gallery_shows_it(nb):
+    assert any("image/png" in o.get("data", {}) for c in cells(nb, "code") for o in c["outputs"]), "no figure kept"
+    assert (ROOT / "nbs" / "figures" / f"{nb.stem}.png").exists(), "tools/make_readme.py has not extracted it"
+    assert f'src="figures/{nb.stem}.png"' in "".join(c["text"] for c in cells(ROOT / "nbs" / "index.ipynb",
+                                                                           "markdown")), "not in the index's gallery"
