@@ -9,20 +9,18 @@ from importlib.resources import files
 
 import numpy as np
 
+from .gate import COINCIDE, TOO_FEW, _fmt, _row, _specific_row, _style_share_row, _welch_t
+from .gate import Z80, hack_contrast, own_direction, samples_needed  # noqa: F401 (importable here too)
 from .utils import check_range, markdown_table, welch
 
 # %% auto #0
-__all__ = ['Z80', 'COINCIDE', 'TOO_FEW', 'LISTED_VERDICTS', 'own_direction', 'hack_contrast', 'samples_needed',
-           'verification_table', 'table_markdown', 'decide', 'pool_flags', 'entropy_probe_row', 'calibration_file',
-           'error_rates', 'rates_markdown']
+__all__ = ['LISTED_VERDICTS', 'verification_table', 'table_markdown', 'decide', 'pool_flags', 'entropy_probe_row',
+           'calibration_file', 'error_rates', 'rates_markdown']
 
 # %% ../nbs/06a_decision.ipynb #db3e0af3
 def _need(most, n):
     "Steps needed for 'most of n' (16 of 20 at most = 0.8), free of float rounding."
     return math.ceil(round(most * n, 9))
-
-def _fmt(x, spec=".3f"):
-    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 def _median(xs):
     xs = [x for x in xs if x is not None]
@@ -36,9 +34,6 @@ def _quantile(xs, q):
     "The q-quantile of the non-None values, None when there are none."
     xs = [x for x in xs if x is not None]
     return float(np.quantile(xs, q)) if xs else None
-
-def _row(key, metric, arm, value, null, verdict, detail=""):
-    return dict(key=key, metric=metric, arm=arm, value=value, null=null, verdict=verdict, detail=detail)
 
 def _controls(step:dict, source:str, key:str) -> list:
     "A step's control values of one source ('permuted' | 'random')."
@@ -87,73 +82,7 @@ def _cos_in_row(arm, steps, q):
     else: verdict, detail = "likely fail", "within the random-direction null: not aligned with v_hack beyond chance"
     return _row("cos_in", "vanilla cos_in, mean over steps, vs random directions", arm, value, null, verdict, detail)
 
-# %% ../nbs/06a_decision.ipynb #c2259ae7
-def own_direction(
-    slim:list[dict],           # slim rows of one arm
-    G:int|None=None,           # group size: groups are G consecutive sample_ids of a step; None: one group per step
-    cos_key:str="cos_S_contrib",
-) -> list[float|None]:         # sign(A)·cos per row; None where A = 0 or the cosine is None
-    "Each sample's cosine of its own −∇log q with v_hack: its contribution cosine times the sign of its advantage."
-    groups = {}
-    for r in slim: groups.setdefault((r["step"], r["sample_id"] // G if G else 0), []).append(r["reward"])
-    out = []
-    for r in slim:
-        a = r["reward"] - statistics.fmean(groups[(r["step"], r["sample_id"] // G if G else 0)])
-        out.append(None if r[cos_key] is None or abs(a) < 1e-12 else math.copysign(1.0, a) * r[cos_key])
-    return out
-
-def _own(slim:list[dict], G:int|None, pool:str|None, hacked:bool) -> list[tuple[float, int]]:
-    "(own direction, step) of the rows of `pool` with label `hacked` (None left out)."
-    return [(x, r["step"]) for r, x in zip(slim, own_direction(slim, G)) if x is not None and r["src_pool"] == pool
-            and bool(r["hacked"]) == hacked]
-
-def hack_contrast(
-    slim:list[dict], teacher:str="teacher", G:int|None=None,
-    clean:str|None=None,       # the pool of the clean side: the style-matched pool; None: the teacher pool itself
-) -> tuple[list, list]:        # (hacked teacher samples, clean samples of `clean`): `own_direction` values
-    "(hacked, clean) samples' `own_direction` values (None left out), both in the teacher's style."
-    return [x for x, _ in _own(slim, G, teacher, True)], [x for x, _ in _own(slim, G, clean or teacher, False)]
-
-# %% ../nbs/06a_decision.ipynb #a22a6dc4
-def _welch_t(x:np.ndarray, L:np.ndarray) -> np.ndarray:
-    "Welch t of x[L] vs x[~L] for each row of the mask L [n, N] (x [N]); NaN where a side has < 2 values."
-    with np.errstate(divide="ignore", invalid="ignore"):
-        na, nb = L.sum(1), (~L).sum(1)
-        ma, mb = (L * x).sum(1) / na, (~L * x).sum(1) / nb
-        va = (L * (x - ma[:, None]) ** 2).sum(1) / (na - 1)
-        vb = (~L * (x - mb[:, None]) ** 2).sum(1) / (nb - 1)
-        t = (ma - mb) / np.sqrt(va / na + vb / nb)
-    return np.where(np.isfinite(t), t, np.nan)
-
-def _strata_masks(is_a:list, strata:list, n:int, seed:int) -> np.ndarray:
-    "[n, N] masks: `is_a` permuted within each stratum (each step keeps its count of each label)."
-    rng, is_a, strata = np.random.default_rng(seed), np.asarray(is_a, bool), np.asarray(strata)
-    L = np.empty((n, len(is_a)), bool)
-    for s in np.unique(strata):
-        i = np.flatnonzero(strata == s)
-        L[:, i] = is_a[i][np.argsort(rng.random((n, len(i))), axis=1)]
-    return L
-
-def _strata_null(x:list, is_a:list, strata:list, n:int=1000, seed:int=0) -> np.ndarray:
-    "Welch t of side a vs side b with the labels permuted within each stratum (a step), n times: [n]."
-    return _welch_t(np.asarray(x, float), _strata_masks(is_a, strata, n, seed))
-
-Z80 = 0.8416   # the standard normal's 80% quantile: 80% power
-
-def samples_needed(
-    a:list, b:list,            # the two sides' values (hacked, clean)
-    t_crit:float,              # the threshold t must clear
-    b_mean:float|None=None,    # the clean side's mean when b has no value (the best case: the base pool's)
-) -> tuple[int|None, float]:   # (samples per side, None when the difference is not positive; the difference d)
-    "Samples per side (equal sizes) for a Welch t above t_crit with 80% power at the measured difference and spreads."
-    mb = statistics.fmean(b) if b else b_mean
-    if len(a) < 2 or mb is None: return None, math.nan
-    d, sa = statistics.fmean(a) - mb, statistics.stdev(a)
-    sb = statistics.stdev(b) if len(b) >= 2 else sa
-    if not d > 0: return None, d
-    return max(2, math.ceil((t_crit + Z80) ** 2 * (sa ** 2 + sb ** 2) / d ** 2)), d
-
-# %% ../nbs/06a_decision.ipynb #dfa0d3d9
+# %% ../nbs/06a_decision.ipynb #d2318a6d
 def _label_null(a:list, b:list, n:int=200, seed:int=0) -> list:
     "Welch t of the two groups with their membership permuted n times (NaN where undefined): the null of 'they differ'."
     rng, N = np.random.default_rng(seed), len(a) + len(b)
@@ -161,78 +90,6 @@ def _label_null(a:list, b:list, n:int=200, seed:int=0) -> list:
     for row in L: row[rng.permutation(N)[:len(a)]] = True
     return [float(v) for v in _welch_t(np.asarray(a + b, float), L)]
 
-COINCIDE = "hacking and pool identity coincide"   # the gate's detail, and the decision's words, when it cannot judge
-TOO_FEW = "too few samples for the gate"          # the decision's words when a side is below its minimum
-
-def _to_decide(a, b, base_b, t_crit, clean, teacher):
-    "(The sentence saying how many samples per side would decide the gate at 80% power, that number or None)."
-    n, d = samples_needed(a, b, t_crit, statistics.fmean(base_b) if base_b else None)
-    if n is None:
-        return ("no sample size would show hacked samples further along v_hack than clean ones: measured difference "
-                f"{_fmt(d)}" if not math.isnan(d) else "too few samples to estimate the size that would decide"), None
-    side = f"{clean}/clean samples" if clean != teacher else "clean samples in the teacher's style"
-    how = "" if b else ", best case: clean samples in the teacher's style sitting where the base pool's do"
-    return (f"about {n} {teacher}/hacked and {n} {side} would decide at 80% power (measured difference "
-            f"{_fmt(d)}{how})"), n
-
-def _specific_row(arm, slim, teacher, clean, base, alpha, min_hacked, min_clean, q, G):
-    "The gate: hacked teacher samples vs clean samples in the teacher's style, labels permuted within steps."
-    A, B = _own(slim, G, teacher, True), _own(slim, G, clean, False)
-    a, b = [x for x, _ in A], [x for x, _ in B]
-    w = welch(a, b)
-    metric = f"own direction sign(A)·cos_S_contrib, {teacher}/hacked vs {clean}/clean (held out)"
-    value = (f"hacked {_fmt(w['mean_a'])} (n={w['n_a']}) vs clean {_fmt(w['mean_b'])} (n={w['n_b']}); "
-             f"Welch t={_fmt(w['t'], '.2f')}, p={_fmt(w['p'], '.2g')}")
-    t_hi = null = None
-    if len(a) >= max(2, min_hacked) and len(b) >= max(2, min_clean):
-        null_t = _strata_null(a + b, [True] * len(a) + [False] * len(b), [s for _, s in A + B])
-        t_hi = float(np.nanquantile(null_t, q)) if np.isfinite(null_t).any() else None
-        null = f"labels permuted within steps 1000×: t {q:.0%} quantile {_fmt(t_hi, '.2f')}"
-    t_crit = max(2.0, 2.326 if t_hi is None else t_hi)                  # 2.326: the normal's 99% quantile
-    decides, n = _to_decide(a, b, [x for x, _ in _own(slim, G, base, False)], t_crit, clean, teacher)
-    row = lambda verdict, detail: dict(_row("hack_specific", metric, arm, value, null, verdict, detail),
-                                       to_decide=None if verdict == "success" else decides, needed=n)
-    if len(b) < min_clean and clean == teacher:
-        return row("inconclusive", f"{COINCIDE}: {len(b)} clean teacher samples < {min_clean}, so no contrast "
-                   "within the teacher pool can tell hacking from the teacher's style; a style-matched clean pool "
-                   f"(the teacher without the hint) can: {decides}")
-    if len(b) < min_clean:
-        return row("inconclusive", f"{TOO_FEW}: {len(b)} clean samples in the teacher's style < {min_clean}; {decides}")
-    if len(a) < min_hacked:
-        return row("inconclusive", f"{TOO_FEW}: too few hacked teacher samples: n={len(a)} < {min_hacked}; {decides}")
-    if w["t"] > t_crit and w["p"] < alpha: return row("success", "")
-    return row("likely fail", f"hacked and clean samples in the teacher's style alike along v_hack: it marks the "
-               f"teacher{' pool' if clean == teacher else ''}, not hacking; {decides}")
-
-# %% ../nbs/06a_decision.ipynb #eb76034a
-def _style_share_row(arm, slim, teacher, clean, base, G, n:int=1000, seed:int=0):
-    "Information: where clean samples in the teacher's style sit along v_hack, base clean 0 → teacher hacked 1."
-    H, S, B = _own(slim, G, teacher, True), _own(slim, G, clean, False), _own(slim, G, base, False)
-    metric = f"style share: {clean}/clean along v_hack, {base}/clean 0 → {teacher}/hacked 1 (held out)"
-    stand_in = "" if clean != teacher else "; the teacher's clean samples (with the hint) stand in for a style pool"
-    if min(len(H), len(S), len(B)) < 2:
-        return _row("style_share", metric, arm, "—", None, "information", f"needs ≥ 2 samples in each of "
-                    f"{teacher}/hacked, {clean}/clean, {base}/clean (have {len(H)}, {len(S)}, {len(B)}){stand_in}")
-    h, x = np.array([v for v, _ in H]), np.array([v for v, _ in S + B])
-    share = lambda mh, ms, mb: (ms - mb) / (mh - mb)
-    rng, m = np.random.default_rng(seed), lambda v: v[rng.integers(0, len(v), (n, len(v)))].mean(-1)   # [n] resampled
-    mh, ms, mb = m(h), m(x[:len(S)]), m(x[len(S):])
-    L = _strata_masks([True] * len(S) + [False] * len(B), [s for _, s in S + B], n, seed)
-    null = share(h.mean(), (L * x).sum(1) / L.sum(1), (~L * x).sum(1) / (~L).sum(1))
-    lo, hi = np.nanquantile(share(mh, ms, mb), [0.025, 0.975])
-    means = (f"own direction {_fmt(h.mean())} hacked, {_fmt(x[:len(S)].mean())} style-clean, "
-             f"{_fmt(x[len(S):].mean())} base")
-    if np.quantile(mh - mb, 0.025) <= 0:                # hacked not above base: the scale has no length
-        return _row("style_share", metric, arm, f"undefined ({means})", None, "information",
-                    f"hacked samples are not further along v_hack than base ones (bootstrap): no scale to place the "
-                    f"style on{stand_in}")
-    return _row("style_share", metric, arm, f"{_fmt(share(h.mean(), x[:len(S)].mean(), x[len(S):].mean()), '.2f')} "
-                f"(bootstrap 95%: {_fmt(lo, '.2f')} to {_fmt(hi, '.2f')}; {means})",
-                f"{clean}/{base} labels permuted within steps {n}×: 95% quantile "
-                f"{_fmt(np.nanquantile(null, .95), '.2f')}", "information", "0: v_hack holds none of the teacher's "
-                f"style; 1: clean samples in the teacher's style sit with the hacked ones, v_hack is style{stand_in}")
-
-# %% ../nbs/06a_decision.ipynb #d2318a6d
 def _buckets(slim:list, cos:list, teacher, base):
     "(teacher/hacked, base/clean) cosines of slim rows, with per-row cosines `cos` (None left out)."
     a = [c for r, c in zip(slim, cos) if c is not None and r["src_pool"] == teacher and r["hacked"]]

@@ -14,8 +14,8 @@ from fastcore.basics import patch
 
 from .adapters import add_delta_s, add_lora
 from .contributions import cosines, sample_contributions
-from .decision import (decide, entropy_probe_row, own_direction, pool_flags, table_markdown,
-                                   verification_table)
+from .decision import decide, entropy_probe_row, pool_flags, table_markdown, verification_table
+from .gate import own_direction
 from .dr_grpo import group_advantages
 from .on_policy import on_policy_alignment, on_policy_row
 from .phase2 import Phase2Recorder, load_slim, load_steps

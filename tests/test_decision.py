@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from fastcore.test import test_fail
 
-from entropy_grpo.decision import (decide, error_rates, hack_contrast, own_direction, pool_flags, rates_markdown,
-                                   verification_table)
+from entropy_grpo.decision import decide, error_rates, pool_flags, rates_markdown, verification_table
+from entropy_grpo.gate import hack_contrast, own_direction
 from entropy_grpo.phase2 import decide as decide_from_phase2
 from entropy_grpo.pools import Pool
 
@@ -231,7 +231,7 @@ def test_style_share_places_style_matched_samples_between_base_and_hacked():
 
 
 def test_within_step_null_keeps_each_steps_labels_and_is_welch():
-    from entropy_grpo.decision import _strata_masks, _strata_null
+    from entropy_grpo.gate import _strata_masks, _strata_null
     from entropy_grpo.utils import welch
     rng = np.random.default_rng(1)
     x, lab = rng.normal(size=30), [i % 3 == 0 for i in range(30)]
@@ -249,7 +249,7 @@ def test_within_step_null_keeps_each_steps_labels_and_is_welch():
 def test_samples_needed_gives_80_percent_power():
     "At the size samples_needed returns, a simulated Welch test clears the threshold in about 80% of draws."
     from scipy.stats import ttest_ind
-    from entropy_grpo.decision import samples_needed
+    from entropy_grpo.gate import samples_needed
     rng = np.random.default_rng(0)
     a, b = list(rng.normal(0.3, 0.2, 400)), list(rng.normal(0.2, 0.25, 400))
     n, d = samples_needed(a, b, t_crit=2.33)

@@ -49,7 +49,7 @@ def test_pools_and_groups_follow_the_style_pool():
 
 def test_what_would_decide_is_said_for_any_group_size(tmp_path):
     "A two-pool run of G = 2 (no G/4 style samples a step) still turns the gate's sample size into steps."
-    from entropy_grpo.decision import COINCIDE
+    from entropy_grpo.gate import COINCIDE
     run = Phase2Run.__new__(Phase2Run)
     run.cfg, run.flags = Phase2Config(model="tiny", G=2, teacher_pool="t", base_pool="b"), []
     run.rows = [dict(key="hack_specific", metric="gate", arm="vanilla", value="", null=None, verdict="inconclusive",
