@@ -4,99 +4,17 @@
 
 # %% ../nbs/07a_reports.ipynb #5848f838
 from __future__ import annotations
-import datetime as dt, difflib, fcntl, json, math, os, re, shutil, socket, subprocess, sys, time, traceback
+import datetime as dt, fcntl, json, math, os, re, shutil, socket, sys, time, traceback
 from contextlib import contextmanager, nullcontext
-from importlib.resources import files
 from pathlib import Path
 
-from . import __version__
+from .template_params import (MINIMA, POSITIVE, TEMPLATES, check_parameters, checkout,  # noqa: F401
+                                          git_sha, repo_root, resolve_paths, template_path)  # (importable here too)
 from .utils import atomic_path, check_range, json_default, write_json
 
 # %% auto #0
-__all__ = ['TEMPLATES', 'MINIMA', 'POSITIVE', 'RUN_STATES', 'PARTIAL', 'checkout', 'repo_root', 'template_path', 'git_sha',
-           'check_parameters', 'resolve_paths', 'read_metrics', 'read_state', 'dir_lock', 'lock_holder', 'run_status',
-           'log_run', 'cell_phases', 'RunProgress', 'recover_run', 'run_notebook', 'run_rank', 'run_summary']
-
-# %% ../nbs/07a_reports.ipynb #135d2093
-TEMPLATES = {"phase1": "phase1_probe.ipynb", "phase2": "phase2_probe.ipynb", "train": "train.ipynb",
-             "calibration": "calibration.ipynb"}   # nbs/experiments/ in a checkout; a wheel ships them as templates/
-
-def checkout() -> Path|None:
-    "The source checkout this package runs from (nbs/ beside the package folder), or None when it is installed."
-    pkg = Path(str(files("entropy_grpo"))).resolve()
-    return pkg.parent if (pkg.parent/"nbs").is_dir() else None
-
-def repo_root() -> Path:
-    "Where runs go when no folder is given: the checkout, else the current directory (an installed package)."
-    return checkout() or Path.cwd()
-
-def template_path(template:str) -> Path:
-    "A template by short name ('phase2', 'train': the package's own) or by path (relative to the current directory)."
-    if template in TEMPLATES:
-        root = checkout()
-        p = root/"nbs"/"experiments"/TEMPLATES[template] if root else \
-            Path(str(files("entropy_grpo")))/"templates"/TEMPLATES[template]
-    else: p = Path(template).resolve()
-    if not p.exists(): raise FileNotFoundError(f"template {template!r} not found at {p}; known: {sorted(TEMPLATES)}")
-    return p
-
-def git_sha(root:Path|None=None) -> str:
-    "HEAD of the checkout, with '-dirty' when code differs from it (runs/, the records runs write, aside); for an"
-    " installed package its version ('entropy_grpo 0.1.0'), never the git state of the folder it runs in."
-    root = root or checkout()
-    if root is None: return f"entropy_grpo {__version__}"
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)runs"],
-                               cwd=root, capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-# %% ../nbs/07a_reports.ipynb #0d049091
-_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list": (list, tuple), "dict": (dict,)}
-MINIMA = dict(steps=1, seed=0, G=1, pool_steps=1, pool_batch=1, fit_steps=1, max_new_tokens=1, teacher_train_steps=1,
-              k=1, max_pairs=1, E_total_sequences=1, B_U=1, lora_r=1, max_value=1, n_controls=2)  # least int values
-POSITIVE = ("temperature", "top_p", "lr", "teacher_lr")                                      # > 0 (top_p <= 1)
-
-def check_parameters(template, parameters:dict) -> dict:
-    "ValueError for a name the template does not declare, a value of another type or out of range, one pool without"
-    " the other (a style pool without both) or a pool directory that is not there; else the declared dict."
-    import papermill
-    declared = papermill.inspect_notebook(str(template_path(template)))
-    for name, value in parameters.items():
-        if name not in declared:
-            close = difflib.get_close_matches(name, declared, n=1)
-            raise ValueError(f"unknown parameter {name!r} for {Path(str(template)).name}"
-                             + (f" (did you mean {close[0]!r}?)" if close else "") + f"; declared: {sorted(declared)}")
-        want = declared[name]["inferred_type_name"].replace("typing.", "")
-        ok = _TYPES.get(want)
-        if ok and (not isinstance(value, ok) or (want in ("int", "float") and isinstance(value, bool))):
-            raise ValueError(f"parameter {name}={value!r}: expected {want} (default {declared[name]['default']}), "
-                             f"got {type(value).__name__}")
-        if name in MINIMA: check_range(name, value, MINIMA[name], integer=True)
-        if name in POSITIVE: check_range(name, value, 0, 1 if name == "top_p" else None, lo_open=True)
-    pools = [n for n in ("teacher_pool", "base_pool") if parameters.get(n)]
-    if len(pools) == 1:
-        other = "base_pool" if pools[0] == "teacher_pool" else "teacher_pool"
-        raise ValueError(f"{pools[0]}={parameters[pools[0]]!r} without {other}: expected both pool directories or "
-                         "neither (then both are built)")
-    if parameters.get("style_pool"):
-        if not pools: raise ValueError(f"style_pool={parameters['style_pool']!r} without teacher_pool and base_pool: "
-                                       "expected all three pool directories, or none (then all are built)")
-        pools.append("style_pool")
-    for n in pools:
-        p = Path(parameters[n])
-        if not p.is_dir(): raise ValueError(f"{n}={parameters[n]!r}: expected a pool directory (none at {p.resolve()})")
-    return declared
-
-def resolve_paths(parameters:dict) -> dict:
-    "Relative paths among `parameters` (`*_pool`, `*_dir`, a `model` that is a path) made absolute against this"
-    " process's working directory: the kernel's is the checkout."
-    model = lambda k, v: k == "model" and v not in ("tiny", "default") and Path(v).exists()
-    path = lambda k, v: isinstance(v, str) and v and (k.endswith(("_pool", "_dir")) or model(k, v))
-    return {k: str(Path(v).expanduser().resolve()) if path(k, v) else v for k, v in parameters.items()}
+__all__ = ['RUN_STATES', 'PARTIAL', 'read_metrics', 'read_state', 'dir_lock', 'lock_holder', 'run_status', 'log_run',
+           'cell_phases', 'RunProgress', 'recover_run', 'run_notebook', 'run_rank', 'run_summary']
 
 # %% ../nbs/07a_reports.ipynb #03edd6dd
 RUN_STATES = ("started", "running", "ok", "failed", "interrupted")   # started -> running -> ok | failed | interrupted

@@ -6,7 +6,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "entropy_grpo"
 LAYERS = [("utils", "dist", "kept_sets", "report_to"), ("policies", "tasks", "rb_entropy", "adapters", "checkpoints",
-           "predictors", "gate"),
+           "predictors", "gate", "template_params"),
           ("sequence_processor",), ("dr_grpo", "probe_state", "pairs"), ("train_config",),
           ("training", "delta_entropy_is", "projection_arms"),
           ("probes", "pools", "on_policy"),
