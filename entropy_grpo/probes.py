@@ -4,14 +4,14 @@
 
 # %% ../nbs/04_probes.ipynb #43cf5c9b
 from __future__ import annotations
-import copy, math, random, time
+import math, random, time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .delta_entropy_is import DeltaEntropyIS, importance_config, update_backward
+from .delta_entropy_is import DeltaEntropyIS, importance_config
 from .dist import all_reduce_sum
 from .dr_grpo import group_advantages, loss_token_weights, policy_gradient_backward
 from .predictors import covariance_from_sums, covariance_sums, sampled_stats, step_predictors
@@ -19,12 +19,14 @@ from .probe_state import probe_copy, probe_dtype
 from .sequence_processor import (GenerationConfig, LogprobResults, SequenceProcessor, as_batched_sequences,
                                              make_probe_batch)
 from .training import TrainConfig
+from .updates import (naive_optimizer_delta, optimizer_delta, update_delta,  # noqa: F401 (importable
+                                  update_settings)                                              # here too)
 from .utils import base_optimizer, check_choice, check_range, markdown_table
 
 # %% auto #0
-__all__ = ['E_SAMPLING_MODES', 'GRAD_H_ESTIMATORS', 'PROBE_COLUMNS', 'BatchConfig', 'ProbeComponents', 'optimizer_delta',
-           'naive_optimizer_delta', 'update_delta', 'update_settings', 'entropy_gradient', 'naive_entropy_derivative',
-           'covariance_predictor', 'first_order_delta_entropy', 'run_mixed_probe', 'probe_table', 'plot_mixed_probe']
+__all__ = ['E_SAMPLING_MODES', 'GRAD_H_ESTIMATORS', 'PROBE_COLUMNS', 'BatchConfig', 'ProbeComponents', 'entropy_gradient',
+           'naive_entropy_derivative', 'covariance_predictor', 'first_order_delta_entropy', 'run_mixed_probe',
+           'probe_table', 'plot_mixed_probe']
 
 # %% ../nbs/04_probes.ipynb #27787347
 E_SAMPLING_MODES = ("replacement", "distinct")
@@ -91,91 +93,6 @@ class ProbeComponents:
         "U: B_U distinct prompts, G completions each, with group-centred advantages."
         return self._batch(self.task.sample(B_U or self.batch_config.B_U, self._rng(), replace=False),
                            G or self.batch_config.G)
-
-# %% ../nbs/04_probes.ipynb #dbe16750
-@torch.no_grad()
-def optimizer_delta(
-    optimizer:torch.optim.Optimizer,  # or a wrapper holding it (accelerate's, as a Trainer's callbacks get it)
-    lr:float|None=None,         # override every group's learning rate
-    grads:dict|None=None,       # {param: gradient} to use instead of .grad (a counterfactual step)
-)->dict:                        # {param: Δθ}
-    "{param: Δθ} that optimizer.step() would apply with the gradients now in .grad (or `grads`)."
-    out, optimizer = {}, base_optimizer(optimizer)
-    for group in optimizer.param_groups:
-        lr_g = float(group["lr"] if lr is None else lr)
-        wd = group.get("weight_decay", 0.0)
-        for p in group["params"]:
-            grad = p.grad if grads is None else grads.get(p)
-            if grad is None: continue
-            g = -grad if group.get("maximize", False) else grad
-            st = optimizer.state.get(p, {})
-            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-                b1, b2 = group["betas"]
-                decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
-                if wd and not decoupled: g = g + wd * p
-                step = float(st["step"]) + 1 if st else 1.0
-                m = (st["exp_avg"] * b1 if st else torch.zeros_like(p)) + (1 - b1) * g
-                v = (st["exp_avg_sq"] * b2 if st else torch.zeros_like(p)) + (1 - b2) * g * g
-                if group.get("amsgrad", False) and st: v = torch.maximum(st["max_exp_avg_sq"], v)
-                denom = v.sqrt() / math.sqrt(1 - b2 ** step) + group["eps"]
-                d = -(lr_g / (1 - b1 ** step)) * m / denom
-                out[p] = d - lr_g * wd * p if (wd and decoupled) else d
-            elif isinstance(optimizer, torch.optim.SGD):
-                if wd: g = g + wd * p
-                mom = group.get("momentum", 0.0)
-                if mom:
-                    buf = st.get("momentum_buffer")
-                    buf = g.clone() if buf is None else buf * mom + (1 - group.get("dampening", 0.0)) * g
-                    g = g + mom * buf if group.get("nesterov", False) else buf
-                out[p] = -lr_g * g
-            else:
-                raise NotImplementedError(f"optimizer {type(optimizer).__name__}: ΔH₁ needs its update rule; "
-                                          "supported: Adam, AdamW, SGD")
-    return out
-
-# %% ../nbs/04_probes.ipynb #2db25462
-def naive_optimizer_delta(optimizer:torch.optim.Optimizer, lr:float|None=None) -> dict:
-    "Reference {param: Δθ}: the real optimizer.step() with the gradients now in .grad, then undone."
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    saved, state = [p.detach().clone() for p in params], copy.deepcopy(optimizer.state_dict())
-    try:
-        if lr is not None:
-            for g in optimizer.param_groups: g["lr"] = lr
-        optimizer.step()
-        return {p: p.detach() - s for p, s in zip(params, saved)}
-    finally:
-        with torch.no_grad():
-            for p, s in zip(params, saved): p.copy_(s)
-        optimizer.load_state_dict(state)
-
-# %% ../nbs/04_probes.ipynb #a1087984
-def update_delta(
-    sp:SequenceProcessor,
-    U_batch:dict,               # probe batch with advantages (and "ref_logp" when beta > 0)
-    optimizer:torch.optim.Optimizer,
-    lr:float|None=None,         # override every group's learning rate
-    check_step:bool=False,      # also the relative error against a real (undone) step
-    **update,                   # length_norm, clip_eps, beta, max_grad_norm (`update_settings(train_config)`)
-)->tuple[dict, dict]:           # ({param: Δθ}, update_backward's result)
-    "Δθ of the training update on U (Dr.GRPO gradient clipped as `train` clips it) from the optimizer state; no step."
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    saved = [p.grad for p in params]
-    try:
-        info = update_backward(sp, U_batch, params, update)
-        d = optimizer_delta(optimizer, lr)
-        if check_step:
-            real = naive_optimizer_delta(optimizer, lr)
-            num = sum(float(((d[p] - r) ** 2).sum()) for p, r in real.items())
-            info["delta_theta_rel_error"] = math.sqrt(num / max(sum(float((r ** 2).sum()) for r in real.values()),
-                                                                1e-300))
-        return d, info
-    finally:
-        for p, g in zip(params, saved): p.grad = g
-
-def update_settings(train_config:TrainConfig|None=None) -> dict:
-    "The update `train` takes under `train_config` (default `TrainConfig()`), as `cfg_importance` keys."
-    c = train_config if train_config is not None else TrainConfig()
-    return dict(length_norm=c.length_norm, clip_eps=c.clip_range, beta=c.beta, max_grad_norm=c.max_grad_norm)
 
 # %% ../nbs/04_probes.ipynb #7d5e2175
 GRAD_H_ESTIMATORS = ("snis", "causal")
