@@ -4,9 +4,8 @@
 
 # %% ../nbs/00_sequence_processor.ipynb #9e7bb3c6
 from __future__ import annotations
-import math, time, warnings
+import math, time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -15,143 +14,14 @@ from tqdm.auto import tqdm
 
 from .policies import load_policy, tiny_policy  # noqa: F401 (re-exported: part of this module's API)
 from .policies import prepare_tokenizer
-from .rb_entropy import _scaled, check_sampling, token_stats
-from .utils import check_range, tqdm_disable
+from .rb_entropy import _scaled, token_stats
+from .sequences import (BatchedSequences, GenerationConfig, LogprobResults, completion_mask,  # noqa: F401
+                                    pack_sequences)                     # (the data this module makes; importable here)
+from .utils import tqdm_disable
 
 # %% auto #0
-__all__ = ['PROBE_BATCH_KEYS', 'GenerationConfig', 'BatchedSequences', 'pack_sequences', 'LogprobResults', 'completion_mask',
-           'hf_generation_config', 'own_generation_config', 'SequenceProcessor', 'check_probe_batch',
+__all__ = ['PROBE_BATCH_KEYS', 'hf_generation_config', 'own_generation_config', 'SequenceProcessor', 'check_probe_batch',
            'make_probe_batch', 'to_batched_sequences', 'as_batched_sequences']
-
-# %% ../nbs/00_sequence_processor.ipynb #6063bbdd
-@dataclass
-class GenerationConfig:
-    temperature:float=1.0        # logits are divided by it before truncation; > 0
-    top_p:float=1.0              # nucleus mass in (0, 1]; the crossing token is kept
-    top_k:int=0                  # 0 = off
-    max_new_tokens:int=256       # completion budget (TRL: max_completion_length)
-    num_generations:int=8        # G completions per prompt
-    gen_batch_size:int=64        # sequences per `generate` call
-    tf_batch_size:int=16         # sequences per teacher-forcing forward
-    head_chunk_size:int=1024     # positions per LM-head chunk when teacher forcing
-    rb_requires_grad:bool=False  # teacher-forced RB entropies carry the graph (with_grad=True only)
-    seed:int=0                   # sampling seed
-    max_completion_length:int|None=None  # TRL's name; overrides max_new_tokens when given
-
-    def __post_init__(self):
-        if self.max_completion_length is not None:
-            self.max_new_tokens, self.max_completion_length = self.max_completion_length, None
-        check_sampling(self.temperature, self.top_p, self.top_k)
-        for name in ("max_new_tokens", "num_generations", "gen_batch_size", "tf_batch_size", "head_chunk_size"):
-            check_range(name, getattr(self, name), 1, integer=True)
-        check_range("seed", self.seed, 0, integer=True)
-
-    @property
-    def G(self) -> int: return self.num_generations
-
-# %% ../nbs/00_sequence_processor.ipynb #7daf0584
-@dataclass
-class BatchedSequences:
-    sequences:Tensor          # [B, G, T] long: left-padded prompt, completion, right padding
-    attention_masks:Tensor    # [B, G, T] 1 on real prompt tokens and on the completion up to its first EOS
-    prompt_lens:list          # [B] padded prompt width; the completion of prompt b starts at this index
-    gen_lens:Tensor           # [B, G] completion lengths, EOS counted
-    responses_text:list|None=None  # [B][G] decoded completions
-
-    def __post_init__(self):
-        B, G, T = self.sequences.shape
-        if self.attention_masks.shape != (B, G, T):
-            raise ValueError(f"attention_masks has shape {tuple(self.attention_masks.shape)}, expected {(B, G, T)} "
-                             "like sequences")
-        if len(self.prompt_lens) != B:
-            raise ValueError(f"prompt_lens has {len(self.prompt_lens)} entries, expected B={B}")
-        if tuple(self.gen_lens.shape) != (B, G):
-            raise ValueError(f"gen_lens has shape {tuple(self.gen_lens.shape)}, expected {(B, G)}")
-        if any(not 0 < p < T for p in self.prompt_lens):
-            raise ValueError(f"prompt_lens={self.prompt_lens}: every entry must lie in (0, T={T})")
-
-    @property
-    def shape(self): return tuple(self.sequences.shape)
-
-    def __getitem__(self, idx) -> BatchedSequences:
-        "Prompts `idx` (a slice or index list) with all their G completions."
-        idx = list(range(self.shape[0]))[idx] if isinstance(idx, slice) else list(idx)
-        t = torch.as_tensor(idx, dtype=torch.long)
-        return BatchedSequences(self.sequences[t], self.attention_masks[t], [self.prompt_lens[i] for i in idx],
-                                self.gen_lens[t],
-                                None if self.responses_text is None else [self.responses_text[i] for i in idx])
-
-# %% ../nbs/00_sequence_processor.ipynb #5aadc2bd
-def pack_sequences(
-    groups:list,                  # B groups of G (prompt_ids, completion_ids) token-id lists, non-empty
-    pad_id:int,
-    prompt_width:int|None=None,   # one prompt column for every group; None: each group's longest prompt
-    responses_text:list|None=None,
-)->BatchedSequences:              # [B, G, T]: prompts left-padded to their group's width, completions right-padded
-    "Token-id lists as a batch, laid out as `generate` lays it out (replayed samples, (hack, clean) pairs)."
-    widths = [prompt_width or max(len(p) for p, _ in rows) for rows in groups]
-    B, G = len(groups), len(groups[0])
-    T = max(P + max(len(c) for _, c in rows) for P, rows in zip(widths, groups))
-    seqs = torch.full((B, G, T), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, G, T), dtype=torch.long)
-    for b, (P, rows) in enumerate(zip(widths, groups)):
-        for g, (p, c) in enumerate(rows):
-            seqs[b, g, P - len(p):P] = torch.as_tensor(p); seqs[b, g, P:P + len(c)] = torch.as_tensor(c)
-            attn[b, g, P - len(p):P + len(c)] = 1
-    gen_lens = torch.tensor([[len(c) for _, c in rows] for rows in groups])
-    return BatchedSequences(seqs, attn, widths, gen_lens, responses_text)
-
-# %% ../nbs/00_sequence_processor.ipynb #e5484e7c
-@dataclass
-class LogprobResults:
-    logprobs:Tensor          # [B, G, T_gen] log q(y_t): realised token under the truncated sampling distribution
-    surprisals:Tensor        # [B, G, T_gen] −log q(y_t), detached (the naive, one-sample entropy estimate)
-    rb_entropies:Tensor|None # [B, G, T_gen] entropy of the truncated per-step distribution, detached
-    gen_mask:Tensor          # [B, G, T_gen] bool: real completion tokens (EOS included)
-    rb_entropies_torch:Tensor|None=None  # graph-carrying RB entropies (with_grad and rb_requires_grad)
-    full_entropies:Tensor|None=None      # [B, G, T_gen] full-vocabulary entropy of logits / T (diagnostic), detached
-    full_logprobs:Tensor|None=None       # [B, G, T_gen] full-vocabulary log p(y_t) of logits / T, detached
-    outside_support:Tensor|None=None     # [B, G, T_gen] bool: y_t lay outside its kept set (then put back in; counted)
-    q2:Tensor|None=None                  # [B, G, T_gen] float64 Σ q² over the kept set (teacher forcing with disc=True)
-    q2_logq:Tensor|None=None             # [B, G, T_gen] float64 Σ q² log q over the kept set (disc=True)
-
-    @property
-    def entropies(self) -> Tensor:
-        "Deprecated name of `surprisals` (kept for one release)."
-        warnings.warn("LogprobResults.entropies is renamed surprisals", DeprecationWarning, stacklevel=2)
-        return self.surprisals
-
-    @property
-    def sequence_logprobs(self) -> Tensor:  # [B, G] Σ_t log q(y_t)
-        return (self.logprobs * self.gen_mask).sum(-1)
-
-    @property
-    def rb_entropy_sums(self) -> Tensor:    # [B, G] Σ_t H_t
-        return (self.rb_entropies * self.gen_mask).sum(-1)
-
-    def to_lists(self) -> dict:
-        "Per-prompt, per-generation view: {name: [B][G] 1-D tensors of the completion's length}."
-        B, G, _ = self.gen_mask.shape
-        names = [n for n in ("logprobs", "surprisals", "rb_entropies",
-                             "full_entropies") if getattr(self, n) is not None]
-        return {n: [[getattr(self, n)[b, g][self.gen_mask[b, g]] for g in range(G)] for b in range(B)] for n in names}
-
-# %% ../nbs/00_sequence_processor.ipynb #9879eb24
-def completion_mask(
-    sequences:Tensor,       # [N, T] token ids
-    attention_mask:Tensor,  # [N, T]
-    prompt_lens:Tensor,     # [N] index where each completion starts
-    eos_token_id:int|list|None,
-)->Tensor:                  # [N, T] bool
-    "Completion positions: from prompt_lens, attended, up to and including the first EOS."
-    N, T = sequences.shape
-    pos = torch.arange(T, device=sequences.device)
-    m = (pos[None] >= prompt_lens[:, None]) & attention_mask.bool()
-    if eos_token_id is not None:
-        eos = torch.as_tensor(eos_token_id, device=sequences.device).reshape(-1)
-        is_eos = torch.isin(sequences, eos) & m
-        m = m & ((is_eos.cumsum(-1) - is_eos.long()) == 0)   # nothing after the first EOS
-    return m
 
 # %% ../nbs/00_sequence_processor.ipynb #fbc0c92f
 def hf_generation_config(cfg:GenerationConfig, tokenizer, eos_token_id=None):

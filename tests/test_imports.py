@@ -7,7 +7,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "entropy_grpo"
 LAYERS = [("utils", "dist", "kept_sets", "report_to"), ("policies", "tasks", "rb_entropy", "adapters", "checkpoints",
            "predictors", "gate", "template_params"),
-          ("sequence_processor",), ("dr_grpo", "probe_state", "pairs"), ("train_config",),
+          ("sequences",), ("sequence_processor",), ("dr_grpo", "probe_state", "pairs"), ("train_config",),
           ("training", "delta_entropy_is", "projection_arms"), ("updates",),
           ("probes", "pools", "on_policy"),
           ("contributions", "decision", "trl_callback", "teachers", "scorecard"),
@@ -37,7 +37,7 @@ def test_imports_point_down_the_layers(module):
 @pytest.mark.parametrize("module", MODULES)
 def test_modules_and_functions_stay_small(module):
     src = (PKG / f"{module}.py").read_text()
-    assert len(src.splitlines()) <= 450, f"{module}.py has {len(src.splitlines())} lines"
+    assert len(src.splitlines()) <= 400, f"{module}.py has {len(src.splitlines())} lines (split it by concept)"
     long = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(ast.parse(src))
             if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 62]
     assert not long, f"{module}: functions over 62 lines: {long}"
