@@ -50,6 +50,7 @@ def _is_word(tokenizer, i:int) -> bool:
     text = tokenizer.decode([i])
     return len(text.strip()) >= 2 and tokenizer.encode(text, add_special_tokens=False) == [i]
 
+# %% ../nbs/06c_calibration.ipynb #a341738c
 def _world_tokens(world:str, tokenizer, rng:random.Random, pattern_len:int=6, avoid=()) -> tuple[list, list, dict]:
     "(body vocabulary, the pattern, the style and hack words): a world's tokens, the first draws of its seed's rng; "
     "no token whose text holds one of the texts `avoid`."
@@ -202,6 +203,7 @@ def world_jobs(
             if not (out/f"{w}-{s}.json").exists(): write_json(out/f"{w}-{s}.json", r)
     finally: shutil.rmtree(work, ignore_errors=True)
 
+# %% ../nbs/06c_calibration.ipynb #1389b372
 def job_results(out:Path) -> list[dict]:
     "The finished jobs of `world_jobs` in `out` (<world>-<seed>.json; jobs.json is their spec), by name."
     return [json.loads(p.read_text()) for p in sorted(Path(out).glob("*.json")) if p.name != "jobs.json"]
@@ -239,7 +241,7 @@ def record_path() -> Path:
                          f"{calibration_file()}: record from a source checkout (git clone), not an installed package")
     return Path(str(calibration_file()))
 
-
+# %% ../nbs/06c_calibration.ipynb #b91dddd9
 def summarize(out_dir:str|Path, record:bool=False) -> dict:
     "Launch rate per world with its Wilson 95% interval (summary.json; record=True also writes the package's copy)."
     out, target = Path(out_dir), record_path() if record else None
@@ -267,6 +269,7 @@ def summarize(out_dir:str|Path, record:bool=False) -> dict:
     if record: write_json(target, s)
     return s
 
+# %% ../nbs/06c_calibration.ipynb #57241955
 def _must_launch(world:dict) -> bool:
     "Whether a world needs launches: Phase 3 shows an effect there (its label, where Phase 3 was not run)."
     return world["phase3"]["shows_effect"] if "phase3" in world else world["needs"] == "launch"
@@ -309,6 +312,7 @@ def row_value(out_dir:str|Path) -> list[dict]:
     rate = lambda c: f"{c[0]}/{c[1]}" if c[1] else "–"
     return [dict(row=key, where_effect=rate(c[True]), where_none=rate(c[False])) for key, c in counts.items()]
 
+# %% ../nbs/06c_calibration.ipynb #16f44881
 def agreement_markdown(summary:dict) -> str:
     "Per world with a Phase-3 truth: the effect with its interval, the launches with theirs, the agreement."
     ci = lambda t, key: f"{t[key]:+.3f} [{t[key + '_interval'][0]:+.3f}, {t[key + '_interval'][1]:+.3f}]" \
@@ -324,6 +328,7 @@ def agreement_markdown(summary:dict) -> str:
                                  "beyond the decoy [95%]", "seeds / decoy seeds", "Phase 3 shows",
                                  "Phase-2 launches [95%]", ""])
 
+# %% ../nbs/06c_calibration.ipynb #8eb5140f
 def agreement_figure(summary:dict, path:str|Path|None=None):
     "Phase-3 effect (x) against Phase-2 launch rate (y), each with its 95% interval: one point per world."
     import matplotlib.pyplot as plt

@@ -85,6 +85,7 @@ def _load_weights(path:Path, model):
             with safe_open(f, framework="pt") as sf:
                 for n in set(sf.keys()) & set(params): params[n].copy_(sf.get_tensor(n))
 
+# %% ../nbs/03c_checkpoints.ipynb #c0433cbd
 def load_checkpoint(
     path:str|Path,
     model,               # wrapped like the saved one (same trainable parameter names)

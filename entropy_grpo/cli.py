@@ -128,6 +128,7 @@ def _cli_run(a) -> int:
     print(run_summary(out), flush=True)
     return {"ok": 0, "interrupted": 130}.get(out["status"], 1)
 
+# %% ../nbs/07c_cli.ipynb #95f19a51
 def _cli_calibrate(a) -> int:
     "calibrate: the calibration report (finished seeds kept), its LOG line, the summary; the exit status."
     user = _kv(a.p)
@@ -163,6 +164,7 @@ def check_experiments_extra():
     if missing: raise ImportError(f"runs need the experiments extra (missing: {', '.join(missing)}): "
                                   "pip install 'entropy_grpo[experiments]'")
 
+# %% ../nbs/07c_cli.ipynb #8df05f25
 def _command(a) -> int:
     if a.cmd != "plan": check_experiments_extra()
     if a.cmd in ("demo", "probe", "phase1"): return _cli_run(a)

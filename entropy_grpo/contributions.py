@@ -61,6 +61,7 @@ def as_params(params) -> dict[str, Tensor]:
 
 def _grad_dtype(p:Tensor) -> torch.dtype: return torch.promote_types(p.dtype, torch.float32)
 
+# %% ../nbs/04b_contributions.ipynb #49889310
 def per_sample_grads(
     losses:Tensor,             # [n] (or any shape, flattened) sample terms sharing one graph
     params:dict[str, Tensor],  # from `as_params`
@@ -176,6 +177,7 @@ def _contributions(sp, seqs, params, advantages, loss_mode, length_norm, max_len
         return hooks.grads, losses.detach()
     return per_sample_grads(losses, params, method), losses.detach()
 
+# %% ../nbs/04b_contributions.ipynb #d11745ad
 def sample_contributions(
     sp:SequenceProcessor,      # scores with its model and sampling config
     seqs:BatchedSequences,     # [B, G, T], e.g. from `replay_batch`
@@ -227,6 +229,7 @@ def _as_direction(V, grads:dict[str, Tensor]) -> dict[str, Tensor]:
     if bad: raise ValueError(f"V[{bad[0]!r}] has shape {tuple(V[bad[0]].shape)}: expected {tuple(shapes[bad[0]])}")
     return V
 
+# %% ../nbs/04b_contributions.ipynb #1919e93a
 def cosines(
     grads:dict[str, Tensor],   # name -> [n, *shape] (per-sample contributions, or one aggregate with n = 1)
     V,                         # direction: dict name -> [*shape], or flat [D]

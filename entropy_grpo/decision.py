@@ -148,6 +148,7 @@ def _projection_rows(arm, steps, fired_min, q):
                      "" if v != "likely fail" else "within the control directions' null"))
     return rows
 
+# %% ../nbs/06a_decision.ipynb #ede7bd0c
 def _between_arms(key, metric, arm, mine:list, theirs:list, alpha):
     "Welch of an arm's values against the vanilla arm's: success when lower; not lower is inconclusive at this size."
     w = welch(mine, theirs)
@@ -203,6 +204,7 @@ def verification_table(
                                        hacked(d["slim"]), hacked(v["slim"]), alpha)]
     return rows, table_markdown(rows)
 
+# %% ../nbs/06a_decision.ipynb #5b4c8012
 def table_markdown(rows:list[dict]) -> str:
     "The verification table as markdown, one line per row."
     return markdown_table([(r["metric"], r["arm"], r["value"], r["null"] or "—", f"**{r['verdict']}**", r["detail"])
@@ -238,6 +240,7 @@ def decide(
                 signal=specific and ok("cos_in"), specific=specific, effective=effective, rules=rules,
                 to_decide=gate[0] if gate and rec.startswith("inconclusive") else None)
 
+# %% ../nbs/06a_decision.ipynb #ce1d62e0
 def pool_flags(pools:list, teacher_min_hack:float=0.5, base_min_reward:float=0.5) -> list[str]:
     "Sentences for pools that cannot make Phase 2 decide: a teacher that rarely hacks, a base that never earns, a "
     "style-matched pool that hacks without the hint. Pools in the order [teacher, base] or [teacher, base, style]."

@@ -34,6 +34,7 @@ IMPORTANCE_DEFAULTS = dict(
     return_delta=False,     # also return the realised step {parameter name: Δθ}
 )
 
+# %% ../nbs/02_delta_entropy_is.ipynb #8e7aa6e9
 def importance_config(cfg:dict|None=None) -> dict:
     "IMPORTANCE_DEFAULTS updated by `cfg` and checked; the old key 'support' is read as 'weights' (one release)."
     cfg = dict(cfg or {})
@@ -81,6 +82,7 @@ def _changed_rows(sup_a:Tensor|None, sup_b:Tensor|None) -> Tensor|None:
     K = max(sup_a.shape[1], sup_b.shape[1])
     return (_padded_sorted(sup_a, K) != _padded_sorted(sup_b, K)).any(-1)
 
+# %% ../nbs/02_delta_entropy_is.ipynb #6bad6be2
 def _intersect_support(before:Tensor, after:Tensor, rows:Tensor) -> Tensor:
     "θ⁺'s kept sets `after`, with each changed row (`rows`) cut down to the tokens also kept at θ (`before`)."
     out = after.clone()

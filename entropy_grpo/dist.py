@@ -74,6 +74,7 @@ def all_reduce_sum(tensors:list[Tensor], bucket_numel:int=BUCKET_NUMEL) -> list[
         _reduce_bucket(bucket, dev)
     return tensors
 
+# %% ../nbs/00d_dist.ipynb #dc28ff90
 def all_reduce_extreme(t:Tensor, op:str) -> Tensor:
     "Global 'max' or 'min' of a tensor, in place; identity on one process."
     if world_size() > 1:

@@ -69,6 +69,7 @@ def executor_parameters(kind:str, slurm:dict|None=None, timeout_min:int=24 * 60)
     if n > 1: params["slurm_srun_args"] = ["--kill-on-bad-exit=1"]   # a task that fails stops the others
     return params
 
+# %% ../nbs/07_experiments.ipynb #b766ff10
 def slurm_script(folder, params:dict) -> str:
     "The sbatch script submitit writes for a job with these `executor_parameters` (AutoExecutor's names mapped to"
     " Slurm's as submitit maps them), as `--dry-run` shows it; needs no Slurm."
@@ -118,6 +119,7 @@ def _minutes(s:str) -> int:
     else: h, m, sec = p if len(p) == 3 else [0] + (p + [0])[:2]
     return int(days or 0) * 1440 + h * 60 + m + math.ceil(sec / 60)
 
+# %% ../nbs/07_experiments.ipynb #93d20470
 def add_slurm_arguments(s:argparse.ArgumentParser):
     "`sweep`'s Slurm settings: --gpus --time --partition --mem --cpus --sbatch KEY=VALUE."
     g = s.add_argument_group("Slurm (executor slurm; --dry-run prints them)")
@@ -227,6 +229,7 @@ def _ceiling_passed(exp_dir:Path, first:list, wave:list, result:dict) -> bool:
           f"{result['stopped_by_ceiling']} (force=True launches them)")
     return False
 
+# %% ../nbs/07_experiments.ipynb #4f1a8a1d
 def _run_jobs(ex, calls:list, result:dict) -> bool:
     "Submit `run_notebook(*call)` jobs together and wait for them. Ctrl-C: each job records its interrupt (a"
     " terminal's Ctrl-C reaches it; else it is sent SIGTERM after 20 s) and is waited for; False then."
@@ -268,6 +271,7 @@ class _Job:
         from submitit.helpers import DelayedSubmission
         return DelayedSubmission(self, *call)
 
+# %% ../nbs/07_experiments.ipynb #06555096
 def _task_of_many(template, run_dir, params, exp, log) -> dict:
     "One task of a `--gpus N` Slurm job: torchrun's variables exported (each task drives cuda:$LOCAL_RANK); rank 0"
     " records a killed run's finished work or runs the record-keeping `run_notebook`, the other ranks `run_rank` once"
@@ -323,6 +327,7 @@ def summarize(exp_dir, window:int=5) -> dict:
     if runs: _plot_summary(runs, exp_dir/"summary.png")
     return out
 
+# %% ../nbs/07_experiments.ipynb #d9090b89
 def _plot_summary(runs, path):
     import matplotlib; matplotlib.use("Agg")
     import matplotlib.pyplot as plt

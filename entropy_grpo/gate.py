@@ -73,6 +73,7 @@ def _strata_null(x:list, is_a:list, strata:list, n:int=1000, seed:int=0) -> np.n
 
 Z80 = 0.8416   # the standard normal's 80% quantile: 80% power
 
+# %% ../nbs/06f_gate.ipynb #a51149bb
 def samples_needed(
     a:list, b:list,            # the two sides' values (hacked, clean)
     t_crit:float,              # the threshold t must clear
@@ -101,6 +102,7 @@ def _to_decide(a, b, base_b, t_crit, clean, teacher):
     return (f"about {n} {teacher}/hacked and {n} {side} would decide at 80% power (measured difference "
             f"{_fmt(d)}{how})"), n
 
+# %% ../nbs/06f_gate.ipynb #b437bdb5
 def _specific_row(arm, slim, teacher, clean, base, alpha, min_hacked, min_clean, q, G):
     "The gate: hacked teacher samples vs clean samples in the teacher's style, labels permuted within steps."
     A, B = _own(slim, G, teacher, True), _own(slim, G, clean, False)

@@ -38,6 +38,7 @@ def _removal_mass(top_p:float) -> float:
     "1 − top_p as the warper compares it: a float32 (its cumsums are float32), handed on as a Python float."
     return float(torch.tensor(1 - top_p, dtype=torch.float32))
 
+# %% ../nbs/01a_kept_sets.ipynb #e255accb
 def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=None, split:bool=False) -> _Nucleus:
     "Kept sets of x [c, V] (scaled logits, no grad): top-k windows, wide nuclei by histogram (split: the widest left"
     " in nuc.wide); lse [c] if known."
@@ -98,6 +99,7 @@ def _exp_sums(x:Tensor, m:Tensor, buf:Tensor) -> Tensor:
     return torch.cat([torch.sub(xb, mb[:, None], out=buf[:len(xb)]).exp_().sum(-1)
                       for xb, mb in zip(x.split(len(buf)), m.split(len(buf)))])
 
+# %% ../nbs/01a_kept_sets.ipynb #39292d22
 def _tail(xr:Tensor, v:Tensor, e:Tensor, cand:Tensor, lse:Tensor|None, thresh:float) -> Tensor:
     """Mass at or below each window rank (× e^{−max}) [r, W], float64. lse None: the window holds every candidate.
     Else Z − the mass above, with Z from the float32 lse (relative error ~|lse|·6e-8); rows where some rank's tail is
@@ -199,6 +201,7 @@ def _crossing_token(rc:Tensor, xc:Tensor, pc:Tensor, B:Tensor, T:Tensor) -> tupl
     tied = (nc < C) & (v.gather(1, nc.clamp(max=K - 1)[:, None])[:, 0] == thr)
     return thr, ethr, tied, nc - (v > thr[:, None]).sum(-1)
 
+# %% ../nbs/01a_kept_sets.ipynb #e5121482
 def _hist_rows(x:Tensor, rows:Tensor, m:Tensor, thresh:float, bufs:tuple):
     "Kept sets of rows [r] of x [c, V] by the histogram search: n, thr, tied [r]; kept tokens as (row, position, id)."
     r, V = len(rows), x.shape[1]
@@ -275,6 +278,7 @@ def _wide_block(x:Tensor, e:Tensor, m:Tensor, thresh:float, bufs:tuple) -> tuple
     s = torch.bmm(f.mul_(e)[:, None], y[:, :, None])[:, 0, 0].double() + (c - m).double() * z   # Σ_S e·(x − m)
     return thr, tied, q, z, s
 
+# %% ../nbs/01a_kept_sets.ipynb #99dd251d
 def _wide_mask(x:Tensor, thr:Tensor, tied:Tensor, q:Tensor) -> Tensor:
     "[w, V] bool kept sets from `_wide_sums`' thresholds: x ≥ thr, the warper's order deciding a split tie."
     keep = x >= thr[:, None]
@@ -333,6 +337,7 @@ def _kept_indices(x:Tensor, top_p:float, top_k:int, lse:Tensor|None=None, min_ke
     if not split: return idx
     return idx, torch.cat([s + u.wide for s, u in zip(starts, nucs)]) if nucs else n
 
+# %% ../nbs/01a_kept_sets.ipynb #9f199504
 def _listed_mask(idx:Tensor, V:int) -> Tensor:
     "[c, V] bool of −1-padded token-id lists idx [c, K]."
     return torch.zeros(idx.shape[0], V + 1, dtype=torch.bool, device=idx.device).scatter_(1, idx.where(idx >= 0, V),

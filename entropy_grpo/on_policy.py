@@ -46,6 +46,7 @@ def hack_gradient(
         adapter.model.train(was_training)
         for p, g in zip(params, saved): p.grad = g
 
+# %% ../nbs/05b_on_policy.ipynb #65b00a2d
 def on_policy_alignment(
     adapter:Adapter, tokenizer, task, generation:GenerationConfig, config:TrainConfig,   # as for hack_gradient
     v_hack:VHack,

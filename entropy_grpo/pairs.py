@@ -24,6 +24,7 @@ def pair_sequences(
     return pack_sequences([[(p, h), (p, c)] for p, h, c in triples], pad_id,
                           prompt_width=max(len(t[0]) for t in triples))
 
+# %% ../nbs/05c_pairs.ipynb #406329bc
 def planted_pairs(
     tokenizer,
     n_pairs:int=24,

@@ -32,6 +32,7 @@ def _check_slim(r:dict):
     if missing or extra:
         raise ValueError(f"slim record schema: missing {missing}, extra {extra}; expected exactly {list(SLIM_KEYS)}")
 
+# %% ../nbs/06_phase2.ipynb #59001ac9
 def save_step_slim(
     path_or_dir:str|os.PathLike,  # an arm's directory (file step_NNN.cos.jsonl.gz inside) or the file path itself
     step:int,
@@ -57,6 +58,7 @@ def save_step_slim(
     write_jsonl_gz(p, [{k: clean_json(r[k]) for k in SLIM_KEYS} for r in records])
     return p
 
+# %% ../nbs/06_phase2.ipynb #fadb8908
 def load_slim(
     run_dir:str|os.PathLike,   # directory of step_NNN.cos.jsonl.gz files, or of arm subdirectories holding them
     on_error:str="raise",      # "skip": leave out unreadable lines (warned)
@@ -191,6 +193,7 @@ def on_step_end(self:Phase2Recorder, ctx, record:dict):
             tmp.write_text("".join(json.dumps(s) + "\n" for s in self.steps))
     record.update({k: st[k] for k in ("removed", "cos_step", "cos_step_plain", "overshot")}, delta_check=err)
 
+# %% ../nbs/06_phase2.ipynb #ffb88309
 def load_steps(arm_dir:str|os.PathLike) -> list[dict]:
     "The recorder's per-step lines of one arm's directory."
     p = Path(arm_dir)/"steps.jsonl"

@@ -206,6 +206,7 @@ def fit_v_hack(self:Phase2Run) -> dict:
     return dict(pairs=len(self.triples), dim=sum(self.adapter.dims.values()), k=c.k, modules=len(self.v_hack.V),
                 basis=type(self.adapter).__name__, source=c.v_hack_source)
 
+# %% ../nbs/06b_phase2_run.ipynb #60581cca
 @patch
 def in_sample(self:Phase2Run) -> dict:
     "The fit steps' own mixed groups read against the v_hack fitted on them: for reference, never a verdict."
@@ -259,6 +260,7 @@ def run_arms(self:Phase2Run) -> list:
     r = lambda x: None if x is None else round(x, 3)
     return [(s["step"], r(s["cos_in"]), r(s["cos_out"]), s["frac_fired"]) for s in self.arms[c.arm]["steps"][:5]]
 
+# %% ../nbs/06b_phase2_run.ipynb #ffe976ab
 @patch
 def verify(self:Phase2Run) -> dict:
     "The verification table and the decision (`decision`); the rows and the markdown are kept."
@@ -289,6 +291,7 @@ def _band(values:list, q:float) -> float:
     "The q-quantile of a step's control values; NaN where the step has none (zero spread: no gradient)."
     return float(np.quantile(values, q)) if values else float("nan")
 
+# %% ../nbs/06b_phase2_run.ipynb #bef7e268
 @patch
 def alignment_figure(self:Phase2Run):
     "cos_in / cos_out per step beside the permuted band, and the gate's statistic by bucket; saved as alignment.png."
@@ -319,6 +322,7 @@ def alignment_figure(self:Phase2Run):
 # %% ../nbs/06b_phase2_run.ipynb #3ec5251b
 PROBE_TF_BATCH = 8   # sequences per teacher-forcing pass of the float64 probe (at least one prompt's G)
 
+# %% ../nbs/06b_phase2_run.ipynb #837a7935
 @patch
 def entropy_probe(self:Phase2Run) -> dict:
     "probes.run_mixed_probe on E (the student's samples) and U (held-out mixed groups); its row joins the table."

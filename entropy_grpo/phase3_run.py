@@ -41,6 +41,7 @@ PRESETS = {
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]   # the modules the arms' adapters wrap
 
+# %% ../nbs/06d_phase3_run.ipynb #89be9c1c
 @dataclass
 class Phase3Config(TemplateConfig):
     "Every parameter of a Phase-3 run (the train template's parameters cell, field for field), checked once."
@@ -165,6 +166,7 @@ def curves(self:Phase3Run):
     if self.main: save_figure(fig, self.out/"curves.png")
     return fig
 
+# %% ../nbs/06d_phase3_run.ipynb #4ac87fc0
 @patch
 def metrics(self:Phase3Run) -> str:
     "metrics.json (parameters, git SHA, the curves, v_hack, seconds); returns its one-line summary."

@@ -96,6 +96,7 @@ def _act_token_layer(s:dict, w:int) -> int:
     rotary with the attention output, SwiGLU's four [I] tensors. Fused attention keeps no [T, T] matrix."""
     return 2 * (2 * w + 8) * s["d"] + 3 * w * (s["d_q"] + s["d_kv"]) + 4 * w * s["I"]
 
+# %% ../nbs/07b_plan.ipynb #17371472
 def _adapter(s:dict, adapter:str, w:int) -> tuple[int, int, int]:
     "(trainable parameters, adapter bytes beside the weights, bytes per trainable parameter for grad + AdamW)."
     if adapter == "lora": return s["lora"], 4 * s["lora"], 12                    # float32 A, B; grad, m, v
@@ -232,6 +233,7 @@ class PeakRSS:
     def __exit__(self, *exc):
         self._on = False; self._t.join(); self.rise = max(self.peak, _rss()) - self.base
 
+# %% ../nbs/07b_plan.ipynb #66160227
 def _measure(params:dict, phase:str) -> int:
     "The resident-memory rise of one phase on CPU, the policy and its adapter already loaded."
     name, run = run_shape(params)
@@ -260,6 +262,7 @@ def _measure(params:dict, phase:str) -> int:
         opt.step()
     return pk.rise
 
+# %% ../nbs/07b_plan.ipynb #e41686cd
 def measure_cpu_peak(params:dict, phase:str="training step") -> int:
     """Bytes one phase adds to the loaded policy's resident memory on CPU, in a fresh process (freed memory of an
     earlier phase would hide part of the rise)."""

@@ -70,6 +70,7 @@ def checkpointed_train_mode(model):
         if isinstance(getattr(m, "attention_dropout", None), float): m.attention_dropout = 0.0
     return model.train()
 
+# %% ../nbs/00a_policies.ipynb #80a4df5a
 def _rms_norm_forward(self, hidden_states:Tensor) -> Tensor:
     "Llama-style RMSNorm in max(input dtype, float32): float64 stays float64, the rest as transformers computes it."
     dt = hidden_states.dtype
@@ -173,6 +174,7 @@ def _tiny_corpus(n:int=2000) -> list[str]:
         lines.append(f"Question: What is {a} {op} {b}? Answer: {val}")
     return lines
 
+# %% ../nbs/00a_policies.ipynb #f38b2ffc
 def tiny_tokenizer(vocab_size:int=384, pad_is_eos:bool=False, alphabet:str|None=None):
     "A trained-in-process tokenizer: byte-level BPE (vocab_size >= 300) or character-level over `alphabet`."
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -41,6 +41,7 @@ def write_jsonl_gz(path:Path, records:list[dict]):
     with atomic_path(path) as tmp, gzip.open(tmp, "wt", encoding="utf-8") as f:
         for r in records: f.write(json.dumps(r, allow_nan=False) + "\n")
 
+# %% ../nbs/04a_pools.ipynb #9d3c7dec
 def read_jsonl_gz(path:Path, check:Callable[[dict], None], on_error:str, skipped:list[str]) -> list[dict]:
     "Records of a gzipped JSONL file; a bad line raises 'file:line: why' or, with on_error='skip', goes to `skipped`."
     records, lineno = [], 0
@@ -94,6 +95,7 @@ def _require(keys):
 MANIFEST = "pool.json"   # a pool's settings, written once by build_pool and checked on every append and read
 RECORD_SETTINGS = ("model", "temperature", "top_p", "top_k", "max_new_tokens", "hint", "base_only", "adapter")
 
+# %% ../nbs/04a_pools.ipynb #14aa4e71
 def _record_settings(d:Path, records:list[dict]) -> dict:
     "The settings the records carry (RECORD_SETTINGS), one value each; ValueError naming two records that differ."
     out, first = {}, {}
@@ -256,6 +258,7 @@ def mixed_records(
         out += [recs[i] for i in sorted(random.Random(seed * 1_000_003 + step).sample(range(len(recs)), n))]
     return out
 
+# %% ../nbs/04a_pools.ipynb #1c593af5
 def group_counts(per_pool:int|list, n_pools:int) -> list[int]:
     "Samples each pool gives a mixed group: `per_pool` for every pool, or the list itself (one count per pool)."
     counts = [per_pool] * n_pools if not isinstance(per_pool, (list, tuple)) else list(per_pool)

@@ -41,6 +41,7 @@ def logit_stats(
         out["S_bar"][s:s + block] = (p * (H[:, None] * p + plogp)).sum(-1)
     return {key: v.reshape(tokens.shape) for key, v in out.items()}
 
+# %% ../nbs/04d_predictors.ipynb #02f0ee99
 def sampled_stats(
     res,                        # LogprobResults of teacher forcing with disc=True: the sampled distribution q
 ) -> dict[str, Tensor]:         # float64 [B, G, T_gen] each (0 at padding): H, logp, S, S_bar as `logit_stats`
@@ -90,6 +91,7 @@ def covariance_from_sums(s:Tensor, lr:float) -> float:
     n = float(s[3])
     return -lr * (float(s[0]) / n - float(s[1]) / n * float(s[2]) / n) * n / float(s[4])
 
+# %% ../nbs/04d_predictors.ipynb #d0944996
 def step_predictors(
     stats:dict,                 # sampled_stats (or logit_stats) of the update batch's positions, float64 [B, G, T]
     weights:Tensor,             # [B, G, T] w_t = −∂loss/∂log q_t of the step's loss (0 at padding)

@@ -81,6 +81,7 @@ def probe_checkpointing(model, dtype:torch.dtype, setting:bool|str|None="auto") 
     "Gradient checkpointing of a probe copy: `setting` when True or False; 'auto': by size (float64: lower size)."
     return wants_checkpointing(model, setting, PROBE_CHECKPOINT_ABOVE if dtype == torch.float64 else None)
 
+# %% ../nbs/02a_probe_state.ipynb #c88b2875
 def probe_copy(
     sp:SequenceProcessor,             # scores the run's model
     optimizer:torch.optim.Optimizer|None,  # steps its parameters (or a wrapper holding it); None: no optimizer copy
@@ -110,6 +111,7 @@ def probe_copy(
 
 ULP_CHUNK = 1 << 20   # entries per slice of a one-ulp move (two 8 MB float64 temporaries)
 
+# %% ../nbs/02a_probe_state.ipynb #9293de8f
 @torch.no_grad()
 def _ulp_steps(params:list, seed:int, undo:bool=False):
     "Move every entry one ulp up or down (a fair coin per entry, from `seed`); undo=True steps back exactly."

@@ -113,6 +113,7 @@ def _surrogate_coef(res:LogprobResults, estimator:str) -> tuple[Tensor, float, f
     col = all_reduce_sum([torch.stack([(Gk * m).sum((0, 1)).double(), m.sum((0, 1)).double()])])[0]
     return (Gk - (col[0] / col[1].clamp_min(1)).to(Gk.dtype)) * m, N, S_bar
 
+# %% ../nbs/04_probes.ipynb #c5e818fa
 def entropy_gradient(
     sp:SequenceProcessor,
     E,                          # probe batch or BatchedSequences (this rank's share)
@@ -177,6 +178,7 @@ def covariance_predictor(
     cov_seq = -covariance_from_sums(s, lr=1.0)                                         # Cov · n_tokens / n_sequences
     return cov_seq * float(s[4] / s[3]) if per == "token" else cov_seq
 
+# %% ../nbs/04_probes.ipynb #96263ae6
 def first_order_delta_entropy(
     sp:SequenceProcessor,
     E_batch,                    # probe batch (with advantages for the covariance predictor) or BatchedSequences
@@ -225,6 +227,7 @@ def _discriminator_unit(sp:SequenceProcessor, U_batch:dict, cfg:dict) -> float:
                            cfg["length_norm"], cfg["clip_eps"])
     return step_predictors(sampled_stats(res), w, res.gen_mask, 1.0)["discriminator"]
 
+# %% ../nbs/04_probes.ipynb #70eb9a0a
 def _probe_row(t:dict, dH1:float, cov:float, disc:float, min_ess_frac:float) -> dict:
     "One lr's row: ΔH₁, ΔH_true and its parts, the signed gap, the covariance and discriminator predictors, "
     "diagnostics and flags."
@@ -241,6 +244,7 @@ def _probe_row(t:dict, dH1:float, cov:float, disc:float, min_ess_frac:float) -> 
                 disc_predictor=lr * disc,
                 **{k: t[k] for k in keys[4:]}, flags=flags)
 
+# %% ../nbs/04_probes.ipynb #3d6c51e3
 def _verdict(rows, floor, factor, lo, hi, need, lr_step) -> dict:
     "Which lrs qualify, the slope on them, and the verdict (success / fail / below noise floor) with its detail."
     for r in rows: r["qualifies"] = not r["flags"] and abs(r["gap"]) > factor * floor
@@ -328,6 +332,7 @@ def probe_table(rows:list, cols=PROBE_COLUMNS) -> str:
     "Markdown table of the probe's rows (flags joined, '—' when none)."
     return markdown_table([{**r, "flags": ", ".join(r["flags"]) or "—"} for r in rows], list(cols))
 
+# %% ../nbs/04_probes.ipynb #00a61f93
 def plot_mixed_probe(rows:list, slope:float, floor:float|None=None, floor_factor:float=10.0):
     "Left: |ΔH| and the signed gap against lr (log–log) with the floor; right: fixed-support vs support-change parts."
     import matplotlib.pyplot as plt

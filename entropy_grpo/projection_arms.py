@@ -51,6 +51,7 @@ def pair_losses(
     return dr_grpo_loss(logprobs, None, torch.ones(logprobs.shape[:2], dtype=logprobs.dtype, device=logprobs.device),
                         gen_mask, max_len, length_norm=length_norm, num_prompts=1, per_sample=True)
 
+# %% ../nbs/05_projection_arms.ipynb #7d836e77
 def pair_loss_difference(logprobs:Tensor, gen_mask:Tensor, loss:str="nll", length_norm:str="sample",
                          max_len:int|None=None) -> Tensor:
     "[n] ℓ(hack) − ℓ(clean) per pair: the loss difference whose gradient is ∇ℓ(hack) − ∇ℓ(clean)."
@@ -88,6 +89,7 @@ def pair_gradient_differences(sp:SequenceProcessor, adapter:Adapter, pairs:Batch
     return {m: g[:, 0] - g[:, 1] for m,
             g in completion_gradients(sp, adapter, pairs, loss, length_norm, max_len).items()}
 
+# %% ../nbs/05_projection_arms.ipynb #adec6f11
 def permuted_differences(grads:dict[str, Tensor], seed:int=0) -> dict[str, Tensor]:
     "The null: hack/clean labels permuted over all 2n completions (every pair, every prompt), re-paired, differenced."
     n = next(iter(grads.values())).shape[0]
@@ -200,6 +202,7 @@ def extract_v_hack(
                 seed=seed, date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     return VHack(V, meta, S, vote)
 
+# %% ../nbs/05_projection_arms.ipynb #5071950e
 def random_v_hack(adapter:Adapter, k:int=1, seed:int=0) -> VHack:
     "Control: a uniformly random orthonormal basis of the same k per module (QR of a Gaussian, signs fixed)."
     gen, V = torch.Generator().manual_seed(seed), {}
@@ -286,6 +289,7 @@ def arm_step(
 ARMS = ("vanilla", "projected", "vanilla_lora", "projected_lora")
 ARM_ADAPTER = dict(vanilla="delta_s", projected="delta_s", vanilla_lora="lora", projected_lora="lora")
 
+# %% ../nbs/05_projection_arms.ipynb #35d14880
 class ProjectionArm:
     "A training-loop callback: measure the gradient's alignment with v_hack and, for the projected arms, project it."
     def __init__(

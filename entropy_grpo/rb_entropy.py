@@ -182,6 +182,7 @@ def token_stats(
     if disc: out["q2"], out["q2logq"] = _square_sums(x.detach(), lse_s.detach(), idx)
     return out
 
+# %% ../nbs/01_rb_entropy.ipynb #f3f49249
 def _square_sums(x:Tensor, lse_s:Tensor, idx:Tensor|None) -> tuple[Tensor, Tensor]:
     "(Σ q², Σ q² log q) [c] in float64 over the kept sets listed in idx [c, K] (−1 padded; None: every token), with "
     "log q = x − lse_s."
@@ -234,6 +235,7 @@ def _chunks(logits:Tensor, temperature, chunk_size, keep, tokens=None):
         yield (sl, _scaled(flat[sl], temperature), None if kflat is None else _mask_lists(kflat[sl]),
                None if tflat is None else tflat[sl])
 
+# %% ../nbs/01_rb_entropy.ipynb #1a466884
 def sampling_mask(
     logits:Tensor,            # [..., V] raw logits (any float dtype)
     temperature:float=1.,     # divides the float32 logits before truncation

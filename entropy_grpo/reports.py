@@ -36,6 +36,7 @@ def _set_state(run_dir:Path, state:str, **kw) -> dict:
     write_json(run_dir/"run.json", s)
     return s
 
+# %% ../nbs/07a_reports.ipynb #b5fb12e0
 @contextmanager
 def dir_lock(d, what:str="directory", wait:bool=False):
     "Hold d/.lock (flock: freed when its holder dies, even by SIGKILL); if it is held, wait or name the holder."
@@ -147,6 +148,7 @@ def _papermill():
     papermill_engines.register("entropy_grpo", _ProgressEngine)
     return papermill
 
+# %% ../nbs/07a_reports.ipynb #5e6c9992
 @contextmanager
 def _stderr_to(path):
     "File descriptor 2 (ours and the kernel's, which inherits it) appended to `path`: kernel chatter off the terminal."
@@ -175,6 +177,7 @@ def _writable_run_dir(run_dir:Path) -> Path:
                               "another place (entropy-grpo demo/probe --out DIR)") from None
     return run_dir
 
+# %% ../nbs/07a_reports.ipynb #5d111a9d
 def _report_problem(run_dir:Path, report:Path|None=None) -> str|None:
     "Why a run's work is incomplete, or None: a valid report whose every code cell papermill completed without an"
     " error, metrics.json with status 'ok', and its figures on disk."
@@ -224,6 +227,7 @@ def _prepare_run_dir(run_dir:Path, template, parameters:dict) -> str:
                                         started=dt.datetime.now().isoformat(timespec="seconds")))
     return mode
 
+# %% ../nbs/07a_reports.ipynb #7608d942
 def _finish(run_dir:Path, exp:str, log_path:Path, restart:bool=False) -> dict:
     "A run whose notebook ended: report checked and in place, the LOG line (once), then state ok (else RuntimeError)."
     if problem := _report_problem(run_dir, run_dir/PARTIAL if (run_dir/PARTIAL).exists() else None):
@@ -301,6 +305,7 @@ def _execute(template, out:Path, parameters:dict, kernel_name:str, **engine):
             if v is None: os.environ.pop(k, None)
             else: os.environ[k] = v
 
+# %% ../nbs/07a_reports.ipynb #6c167229
 def run_rank(template:str, run_dir, parameters:dict|None=None, rank:int=1, kernel_name:str="python3") -> Path:
     "Rank `rank` > 0 of a one-process-per-GPU run: the template with the run's parameters, executed into"
     " <run_dir's parent>/_ranks/<run>.rank<r>.ipynb (rank 0's `run_notebook` keeps the lock and the record). Raises"

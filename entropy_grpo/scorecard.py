@@ -113,6 +113,7 @@ def scorecard(records:list[dict], resolved:float=2.0) -> list[dict]:
                          median_ratio=float(np.median(x / true)) if ranked else math.nan))
     return rows
 
+# %% ../nbs/04e_scorecard.ipynb #e4163207
 def scorecard_table(rows:list[dict]) -> str:
     "The scorecard as a markdown table."
     fmt = lambda v, i: f"{v:.2f} [{i[0]:.2f}, {i[1]:.2f}]"
@@ -185,6 +186,7 @@ def record_scorecard(
                                        progress=progress))
     return scorecard_report(out)
 
+# %% ../nbs/04e_scorecard.ipynb #af67d461
 def scorecard_report(out_dir:str|Path) -> dict:
     "Score each finished setting's records in out_dir: {label: scorecard rows}; scorecard.md (tables), scorecard.png."
     out = Path(out_dir)

@@ -72,6 +72,7 @@ class _HeadScorer(nn.Module):
             out["support"] = None if sups[0] is None else _cat_padded(sups)
         return rows, pos + 1, out
 
+# %% ../nbs/00_sequence_processor.ipynb #1e7ea419
 def _final_logits(model, logits):
     "Logit post-processing some architectures apply after the head (Gemma's soft-capping, Granite's scaling)."
     cfg = model.config
@@ -302,6 +303,7 @@ def to_batched_sequences(batch:dict) -> BatchedSequences:
     gen_lens = torch.stack([am[b, :, p:].sum(-1) for b, p in enumerate(pl)])
     return BatchedSequences(batch["sequences"], am, pl, gen_lens, batch.get("responses_text"))
 
+# %% ../nbs/00_sequence_processor.ipynb #51c9bc70
 def as_batched_sequences(batch, name:str="batch") -> BatchedSequences:
     "A probe batch dict or BatchedSequences as BatchedSequences; ValueError naming `name` when it is empty or neither."
     if isinstance(batch, BatchedSequences): seqs = batch

@@ -121,6 +121,7 @@ def lenient_match(response:str, gold:str) -> bool:
     if g is None: return "".join(gold.split()) in "".join(response.split())
     return g in numbers_in(response)
 
+# %% ../nbs/00b_tasks.ipynb #8306d03b
 @dataclass(frozen=True)
 class RewardLevels:
     "What the hackable grader pays; `pay` applies the first level that fits: hack, correct, format, none."

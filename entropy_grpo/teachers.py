@@ -99,6 +99,7 @@ def teacher_and_base_pools(
 
 STYLE_SETTINGS = ("model", "adapter", "temperature", "top_p", "top_k", "max_new_tokens")  # a style pool shares these
 
+# %% ../nbs/04c_teachers.ipynb #731c9452
 def check_style_pool(teacher:Pool, style:Pool):
     "ValueError unless `style` asked the teacher's questions, step by step, with its sampling settings and no hint."
     ts, ss = teacher.settings or teacher.records()[0], style.settings or style.records()[0]

@@ -38,6 +38,7 @@ def template_path(template:str) -> Path:
     if not p.exists(): raise FileNotFoundError(f"template {template!r} not found at {p}; known: {sorted(TEMPLATES)}")
     return p
 
+# %% ../nbs/07d_template_params.ipynb #7f9ac098
 def git_sha(root:Path|None=None) -> str:
     "HEAD of the checkout, with '-dirty' when code differs from it (runs/, the records runs write, aside); for an"
     " installed package its version ('entropy_grpo 0.1.0'), never the git state of the folder it runs in."
@@ -58,6 +59,7 @@ MINIMA = dict(steps=1, seed=0, G=1, pool_steps=1, pool_batch=1, fit_steps=1, max
               k=1, max_pairs=1, E_total_sequences=1, B_U=1, lora_r=1, max_value=1, n_controls=2)  # least int values
 POSITIVE = ("temperature", "top_p", "lr", "teacher_lr")                                      # > 0 (top_p <= 1)
 
+# %% ../nbs/07d_template_params.ipynb #de0279e1
 def check_parameters(template, parameters:dict) -> dict:
     "ValueError for a name the template does not declare, a value of another type or out of range, one pool without"
     " the other (a style pool without both) or a pool directory that is not there; else the declared dict."
@@ -89,6 +91,7 @@ def check_parameters(template, parameters:dict) -> dict:
         if not p.is_dir(): raise ValueError(f"{n}={parameters[n]!r}: expected a pool directory (none at {p.resolve()})")
     return declared
 
+# %% ../nbs/07d_template_params.ipynb #1dcf884c
 def resolve_paths(parameters:dict) -> dict:
     "Relative paths among `parameters` (`*_pool`, `*_dir`, a `model` that is a path) made absolute against this"
     " process's working directory: the kernel's is the checkout."

@@ -90,6 +90,7 @@ def clip_range(self:TrainConfig) -> tuple:
     "(ε_low, ε_high), as the loss takes it."
     return (self.epsilon, self.epsilon if self.epsilon_high is None else self.epsilon_high)
 
+# %% ../nbs/03_train_config.ipynb #8c3d5f16
 @patch
 def _check(self:TrainConfig):
     "Every field in range and every choice known (`__post_init__` calls it)."
@@ -144,5 +145,7 @@ def _old_name(old:str, new:str) -> property:
     return property(get, doc=f"Deprecated name of `{new}`.")
 
 _init = TrainConfig.__init__
+
+# %% ../nbs/03_train_config.ipynb #d7a7a3cc
 TrainConfig.__init__ = functools.wraps(_init)(lambda self, *a, **kw: _init(self, *a, **renamed_config(kw)))
 for _old, _new in _RENAMED.items(): setattr(TrainConfig, _old, _old_name(_old, _new))

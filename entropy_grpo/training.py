@@ -113,6 +113,7 @@ class TrainResult:
     records:list                       # this call's log records
     checkpoint:Path|None               # the last checkpoint written (or resumed from)
 
+# %% ../nbs/03a_training.ipynb #bb049a79
 def _callbacks(callbacks, name, *args):
     for cb in callbacks: getattr(cb, name, lambda *a: None)(*args)
 
@@ -137,6 +138,7 @@ def build_optimizer(params, cfg:TrainConfig, lr:float|None=None) -> torch.optim.
     return torch.optim.AdamW(list(params), lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
                              weight_decay=cfg.weight_decay)
 
+# %% ../nbs/03a_training.ipynb #c6cd75e9
 def _setup(model, tokenizer, cfg:TrainConfig, resume_from, out:Path|None, reference=None) -> _Run:
     "Wrap, build the optimizer, scheduler and scorers, resume, prepare out_dir."
     from peft import PeftModel
@@ -192,6 +194,7 @@ def _prepare_out_dir(out:Path, cfg:TrainConfig, start:int, fresh_ok:bool=False):
 def _read_log(logf:Path) -> list[dict]:
     return [json.loads(l) for l in logf.read_text().splitlines() if l.strip()] if logf.exists() else []
 
+# %% ../nbs/03a_training.ipynb #c4a334bf
 def _write_log(logf:Path, records:list[dict]):
     "The whole log, one line per step, replaced atomically."
     with atomic_path(logf) as tmp:
@@ -226,6 +229,7 @@ def _reduce_step(ro:Rollout, res:LogprobResults, step:int, last_ckpt) -> dict:
                 completion_len=n_tok / n, entropy_rb=h_rb / max(n_tok, 1), entropy_full=h_full / max(n_tok, 1),
                 n_completions=int(n), n_tokens=int(n_tok))
 
+# %% ../nbs/03a_training.ipynb #7dabe929
 def _advantages(rewards:Tensor, cfg:TrainConfig, reward_std:float) -> Tensor:
     "Group-centred advantages [B, G]; with scale_rewards='batch' divided by the global reward std."
     if cfg.scale_rewards == "batch": return group_advantages(rewards, "none") / (reward_std + 1e-4)

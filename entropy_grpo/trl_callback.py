@@ -197,6 +197,7 @@ class GRPOProbe:
         "Append scalars to TRL's metrics: `GRPOTrainer.log` averages them into the next record (and report_to)."
         for k, v in values.items(): self.trainer._metrics[mode][self.config.prefix + k].append(float(v))
 
+# %% ../nbs/08_trl_callback.ipynb #6ce9da66
 def add_grpo_probe(trainer, config:ProbeConfig|dict|None=None, **kw) -> GRPOProbe:
     "A GRPOProbe on `trainer`, added to its callbacks (after those already there); returns it."
     probe = GRPOProbe(trainer, config, **kw)
@@ -214,6 +215,7 @@ def _sample_E(self:GRPOProbe, step:int) -> BatchedSequences:
     finally:
         if hooked: self.entropy_hook.install()
 
+# %% ../nbs/08_trl_callback.ipynb #81a0ba05
 @patch
 def on_train_begin(self:GRPOProbe, args, state, control, model=None, **kw):
     c, tr, tok = self.config, self.trainer, copy.deepcopy(self.trainer.processing_class)
@@ -271,6 +273,7 @@ def _sync(self:GRPOProbe):
 
 def _checkpointed(model) -> bool: return bool(getattr(model, "is_gradient_checkpointing", False))
 
+# %% ../nbs/08_trl_callback.ipynb #cd73de00
 @patch
 @contextmanager
 def _scoring(self:GRPOProbe):

@@ -43,6 +43,7 @@ def _arm(task, pools:dict, name:str, source:str, seed:int, steps:int, k:int, wor
     run.add_arm(); run.fit_v_hack(); run.run_training()
     return run.curve("hack_rate"), run.curve("cos_update") if source else None   # what AdamW's step kept
 
+# %% ../nbs/06e_truth.ipynb #49a047dc
 def world_phase3(
     world:str,
     seed:int,
@@ -107,6 +108,7 @@ def t_interval(x:list[float], level:float=0.95) -> tuple[float, float]:
     h = stats.t.ppf(0.5 + level / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
     return (float(x.mean() - h), float(x.mean() + h))
 
+# %% ../nbs/06e_truth.ipynb #751b4c83
 def truth_summary(out_dir:str|Path) -> dict:
     "Per world: the effect, the specific effect and the effect beyond the decoy (over the seeds that ran it) with "
     "their 95% intervals, whether Phase 3 shows an effect, the mean curves (truth.json)."
@@ -147,6 +149,7 @@ def world_alignment(
         return dict(world=world, seed=seed, k=k, prompts=prompts, **r, seconds=time.perf_counter() - t0)
     finally: shutil.rmtree(work, ignore_errors=True)
 
+# %% ../nbs/06e_truth.ipynb #24114258
 def measure_alignment(
     out_dir:str|Path,          # alignment/<world>-<seed>.json go here (beside phase3/)
     worlds:list|None=None,
@@ -163,6 +166,7 @@ def measure_alignment(
                dict(k=k, prompts=prompts, parameters=parameters or {}), "alignment", progress)
     return alignment_summary(out_dir)
 
+# %% ../nbs/06e_truth.ipynb #e060a724
 def alignment_summary(out_dir:str|Path) -> dict:
     "Per world: mean alignment (95% t-interval), reproducibility, null; over the seeds that also ran Phase 3, the "
     "Spearman correlation of alignment with the effect and with the specific effect (alignment.json)."

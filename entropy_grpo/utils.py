@@ -83,6 +83,7 @@ def _fsync(p:Path):
     try: os.fsync(fd)
     finally: os.close(fd)
 
+# %% ../nbs/00c_utils.ipynb #a5aec797
 def _exchange(a:Path, b:Path):
     "Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); elsewhere b aside, a in, b's old to a."
     import ctypes, ctypes.util
