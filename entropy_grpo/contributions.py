@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from fastcore.basics import patch
 
 from .dr_grpo import dr_grpo_loss, length_normaliser
 from .pools import Pool, replay_batch
@@ -105,41 +106,47 @@ class _LinearGradHooks:
         self.grads = {n: torch.zeros(n_rows, *p.shape, dtype=_grad_dtype(p), device=p.device) for n,
                       p in params.items()}
 
-    def __enter__(self):
-        self.handles = [mod.register_forward_hook(self._forward) for mod in self.by_module]
-        self.rows_seen = {mod: 0 for mod in self.by_module}
-        return self
+# %% ../nbs/04b_contributions.ipynb #46fc8893
+@patch
+def __enter__(self:_LinearGradHooks):
+    self.handles = [mod.register_forward_hook(self._forward) for mod in self.by_module]
+    self.rows_seen = {mod: 0 for mod in self.by_module}
+    return self
 
-    def __exit__(self, *exc):
-        for h in self.handles: h.remove()
+@patch
+def __exit__(self:_LinearGradHooks, *exc):
+    for h in self.handles: h.remove()
 
-    def _forward(self, mod, inputs, out):
-        x = inputs[0]
-        if x.dim() != 3:
-            raise ValueError("method='hooks' needs per-sequence inputs [rows, T, d] at "
-                             f"{sorted(self.by_module[mod].values())}, "
-                             f"got shape {tuple(x.shape)}; use method='vmap'")
-        start = self.rows_seen[mod]; self.rows_seen[mod] += x.shape[0]
-        if not out.requires_grad: return
-        names, x = self.by_module[mod], x.detach()
-        def on_grad(g):
-            rows = slice(start, start + x.shape[0])
-            if "weight" in names:
-                w = self.grads[names["weight"]]
-                w[rows] += torch.einsum("nto,nti->noi", g.to(w.dtype), x.to(w.dtype))
-            if "bias" in names:
-                b = self.grads[names["bias"]]
-                b[rows] += g.to(b.dtype).sum(1)
-            if "delta_S" in names:                                # Σ_t (g·U) ⊙ (x·Vhᵀ), [n, r]
-                d = self.grads[names["delta_S"]]
-                d[rows] += (F.linear(x, mod.svd_Vh.to(x.dtype)) * (g @ mod.svd_U.to(g.dtype))).sum(1).to(d.dtype)
-        out.register_hook(on_grad)
+# %% ../nbs/04b_contributions.ipynb #7a9d9691
+@patch
+def _forward(self:_LinearGradHooks, mod, inputs, out):
+    x = inputs[0]
+    if x.dim() != 3:
+        raise ValueError("method='hooks' needs per-sequence inputs [rows, T, d] at "
+                         f"{sorted(self.by_module[mod].values())}, "
+                         f"got shape {tuple(x.shape)}; use method='vmap'")
+    start = self.rows_seen[mod]; self.rows_seen[mod] += x.shape[0]
+    if not out.requires_grad: return
+    names, x = self.by_module[mod], x.detach()
+    def on_grad(g):
+        rows = slice(start, start + x.shape[0])
+        if "weight" in names:
+            w = self.grads[names["weight"]]
+            w[rows] += torch.einsum("nto,nti->noi", g.to(w.dtype), x.to(w.dtype))
+        if "bias" in names:
+            b = self.grads[names["bias"]]
+            b[rows] += g.to(b.dtype).sum(1)
+        if "delta_S" in names:                                # Σ_t (g·U) ⊙ (x·Vhᵀ), [n, r]
+            d = self.grads[names["delta_S"]]
+            d[rows] += (F.linear(x, mod.svd_Vh.to(x.dtype)) * (g @ mod.svd_U.to(g.dtype))).sum(1).to(d.dtype)
+    out.register_hook(on_grad)
 
-    def check_rows(self):
-        "Each hooked layer must have seen each row exactly once."
-        off = {tuple(sorted(self.by_module[m].values())): n for m, n in self.rows_seen.items() if n != self.n_rows}
-        if off: raise ValueError(f"method='hooks': layers saw {off} rows, expected {self.n_rows} each "
-                                 "(activation checkpointing or a layer called twice?); use method='vmap'")
+@patch
+def check_rows(self:_LinearGradHooks):
+    "Each hooked layer must have seen each row exactly once."
+    off = {tuple(sorted(self.by_module[m].values())): n for m, n in self.rows_seen.items() if n != self.n_rows}
+    if off: raise ValueError(f"method='hooks': layers saw {off} rows, expected {self.n_rows} each "
+                             "(activation checkpointing or a layer called twice?); use method='vmap'")
 
 # %% ../nbs/04b_contributions.ipynb #2ba8c001
 @dataclass

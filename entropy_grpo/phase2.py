@@ -126,18 +126,21 @@ class Phase2Recorder:
             for f in [*self.out.glob("step_*.cos.jsonl.gz"), self.out/"steps.jsonl"]: f.unlink(missing_ok=True)
         self.u = {m: v.sum(0) for m, v in arm.v_hack.V.items()}
 
-    def _modules(self, tensors:list) -> dict:
-        "Per-parameter tensors (adapter order) as {module: vector}."
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        return dict(zip(self.arm.adapter.dims, flat.split(list(self.arm.adapter.dims.values()))))
+# %% ../nbs/06_phase2.ipynb #9dfb65dc
+@patch
+def _modules(self:Phase2Recorder, tensors:list) -> dict:
+    "Per-parameter tensors (adapter order) as {module: vector}."
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    return dict(zip(self.arm.adapter.dims, flat.split(list(self.arm.adapter.dims.values()))))
 
-    def _delta(self, opt, vecs:dict, max_norm) -> dict:
-        "{module: Δθ} the optimizer takes from gradient `vecs` after clipping to max_norm (its state untouched)."
-        scale = min(1.0, max_norm / (float(_flat(vecs).norm()) + 1e-6)) if max_norm else 1.0
-        params = self.arm.adapter.parameters()
-        parts = _flat(vecs).split([p.numel() for p in params])
-        d = optimizer_delta(opt, grads={p: (t * scale).to(p.dtype).view_as(p) for p, t in zip(params, parts)})
-        return self._modules([d.get(p, torch.zeros_like(p)) for p in params])
+@patch
+def _delta(self:Phase2Recorder, opt, vecs:dict, max_norm) -> dict:
+    "{module: Δθ} the optimizer takes from gradient `vecs` after clipping to max_norm (its state untouched)."
+    scale = min(1.0, max_norm / (float(_flat(vecs).norm()) + 1e-6)) if max_norm else 1.0
+    params = self.arm.adapter.parameters()
+    parts = _flat(vecs).split([p.numel() for p in params])
+    d = optimizer_delta(opt, grads={p: (t * scale).to(p.dtype).view_as(p) for p, t in zip(params, parts)})
+    return self._modules([d.get(p, torch.zeros_like(p)) for p in params])
 
 # %% ../nbs/06_phase2.ipynb #bfadc1f3
 @patch

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from fastcore.basics import patch
 
 from .dist import shard_slice
 from .sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor, pack_sequences
@@ -317,29 +318,33 @@ class ReplaySource:
         self.pools, self.steps, self.per_pool = pools, list(steps), per_pool
         self.G, self.prompt_key, self.seed = sum(group_counts(per_pool, len(pools))), prompt_key, seed
 
-    def check_length(self, steps:int, n:int):
-        "ValueError unless `steps` training steps of `n` groups each find a step file of their own."
-        if steps * n > len(self.steps):
-            raise ValueError(f"{steps} training steps of {n} group(s) replay {steps * n} pool step files, each once: "
-                             f"{len(self.steps)} given (expected at least {steps * n}; a replayed sample is never "
-                             "replayed again)")
+# %% ../nbs/04a_pools.ipynb #d73c43fa
+@patch
+def check_length(self:ReplaySource, steps:int, n:int):
+    "ValueError unless `steps` training steps of `n` groups each find a step file of their own."
+    if steps * n > len(self.steps):
+        raise ValueError(f"{steps} training steps of {n} group(s) replay {steps * n} pool step files, each once: "
+                         f"{len(self.steps)} given (expected at least {steps * n}; a replayed sample is never "
+                         "replayed again)")
 
-    def groups(self, step:int, n:int) -> list[list[dict]]:
-        "The records of training step `step`'s n groups (all ranks); each step file serves one group of one step."
-        self.check_length(step + 1, n)
-        return [mixed_records(self.pools, self.steps[step * n + j], self.per_pool, self.seed) for j in range(n)]
+@patch
+def groups(self:ReplaySource, step:int, n:int) -> list[list[dict]]:
+    "The records of training step `step`'s n groups (all ranks); each step file serves one group of one step."
+    self.check_length(step + 1, n)
+    return [mixed_records(self.pools, self.steps[step * n + j], self.per_pool, self.seed) for j in range(n)]
 
-    def __call__(self, step:int, sp:SequenceProcessor, config:TrainConfig, seed:int) -> Rollout:
-        G = self.G
-        if config.num_generations != G:
-            raise ValueError(f"num_generations={config.num_generations}: replay gives groups of {G} ({self.per_pool} "
-                             f"from {len(self.pools)} pools)")
-        self.check_length(config.max_steps, config.prompts_per_step)
-        groups = self.groups(step, config.prompts_per_step)[shard_slice(config.prompts_per_step)]
-        batch = replay_batch(groups, sp.tokenizer, self.prompt_key)
-        grades = [[{k: r[k] for k in ("reward", "hacked", "gt_pass", "fmt_ok")} for r in g] for g in groups]
-        rewards = torch.tensor([[float(r["reward"]) for r in g] for g in groups])
-        return Rollout(batch, groups, grades, rewards)
+@patch
+def __call__(self:ReplaySource, step:int, sp:SequenceProcessor, config:TrainConfig, seed:int) -> Rollout:
+    G = self.G
+    if config.num_generations != G:
+        raise ValueError(f"num_generations={config.num_generations}: replay gives groups of {G} ({self.per_pool} "
+                         f"from {len(self.pools)} pools)")
+    self.check_length(config.max_steps, config.prompts_per_step)
+    groups = self.groups(step, config.prompts_per_step)[shard_slice(config.prompts_per_step)]
+    batch = replay_batch(groups, sp.tokenizer, self.prompt_key)
+    grades = [[{k: r[k] for k in ("reward", "hacked", "gt_pass", "fmt_ok")} for r in g] for g in groups]
+    rewards = torch.tensor([[float(r["reward"]) for r in g] for g in groups])
+    return Rollout(batch, groups, grades, rewards)
 
 # %% ../nbs/04a_pools.ipynb #1f0df0dd
 def check_pool_settings(

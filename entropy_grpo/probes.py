@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
+from fastcore.basics import patch
 
 from .delta_entropy_is import DeltaEntropyIS, importance_config
 from .dist import all_reduce_sum
@@ -60,39 +61,47 @@ class ProbeComponents:
         self.task, self.tokenizer = task, tokenizer
         self._calls = 0
 
-    def _batch(self, problems, G) -> dict:
-        bc = self.batch_config
-        self._calls += 1
-        prompts = [self.task.prompt(p, self.tokenizer, hint=bc.hint) for p in problems]
-        seqs = self.sp.generate_batched(prompts, G, gen_batch_size=bc.rollout_batch_size,
-                                        seed=bc.seed * 1_000_003 + self._calls)
-        graded = self.task.grade_batch(seqs.responses_text, problems)
-        batch = make_probe_batch(seqs, graded.rewards, group_advantages(graded.rewards, bc.scale_rewards),
-                                 prompt_ids=[p.id for p in problems], max_new_tokens=self.generation.max_new_tokens)
-        batch["records"] = graded.records
-        return batch
+# %% ../nbs/04_probes.ipynb #3bb427c1
+@patch
+def _batch(self:ProbeComponents, problems, G) -> dict:
+    bc = self.batch_config
+    self._calls += 1
+    prompts = [self.task.prompt(p, self.tokenizer, hint=bc.hint) for p in problems]
+    seqs = self.sp.generate_batched(prompts, G, gen_batch_size=bc.rollout_batch_size,
+                                    seed=bc.seed * 1_000_003 + self._calls)
+    graded = self.task.grade_batch(seqs.responses_text, problems)
+    batch = make_probe_batch(seqs, graded.rewards, group_advantages(graded.rewards, bc.scale_rewards),
+                             prompt_ids=[p.id for p in problems], max_new_tokens=self.generation.max_new_tokens)
+    batch["records"] = graded.records
+    return batch
 
-    def _rng(self): return random.Random(self.batch_config.seed * 7919 + self._calls)
+@patch
+def _rng(self:ProbeComponents): return random.Random(self.batch_config.seed * 7919 + self._calls)
 
-    def sample_E_batch_with_replacement(self, E_total_sequences:int|None=None, G:int|None=None) -> dict:
-        "E: ⌈E_total/G⌉ prompts drawn with replacement, G completions each."
-        E_total, G = E_total_sequences or self.batch_config.E_total_sequences, G or self.batch_config.G
-        return self._batch(self.task.sample(math.ceil(E_total / G), self._rng(), replace=True), G)
+@patch
+def sample_E_batch_with_replacement(self:ProbeComponents, E_total_sequences:int|None=None, G:int|None=None) -> dict:
+    "E: ⌈E_total/G⌉ prompts drawn with replacement, G completions each."
+    E_total, G = E_total_sequences or self.batch_config.E_total_sequences, G or self.batch_config.G
+    return self._batch(self.task.sample(math.ceil(E_total / G), self._rng(), replace=True), G)
 
-    def sample_E_batch_distinct(self, E_total_sequences:int|None=None, G:int|None=None) -> dict:
-        "E from ⌈E_total/G⌉ distinct prompts."
-        E_total, G = E_total_sequences or self.batch_config.E_total_sequences, G or self.batch_config.G
-        return self._batch(self.task.sample(math.ceil(E_total / G), self._rng(), replace=False), G)
+@patch
+def sample_E_batch_distinct(self:ProbeComponents, E_total_sequences:int|None=None, G:int|None=None) -> dict:
+    "E from ⌈E_total/G⌉ distinct prompts."
+    E_total, G = E_total_sequences or self.batch_config.E_total_sequences, G or self.batch_config.G
+    return self._batch(self.task.sample(math.ceil(E_total / G), self._rng(), replace=False), G)
 
-    def sample_E_batch(self) -> dict:
-        "E by `batch_config.E_sampling_mode`."
-        mode = self.batch_config.E_sampling_mode
-        return self.sample_E_batch_with_replacement() if mode == "replacement" else self.sample_E_batch_distinct()
+# %% ../nbs/04_probes.ipynb #d1272a25
+@patch
+def sample_E_batch(self:ProbeComponents) -> dict:
+    "E by `batch_config.E_sampling_mode`."
+    mode = self.batch_config.E_sampling_mode
+    return self.sample_E_batch_with_replacement() if mode == "replacement" else self.sample_E_batch_distinct()
 
-    def sample_U_batch_distinct(self, B_U:int|None=None, G:int|None=None) -> dict:
-        "U: B_U distinct prompts, G completions each, with group-centred advantages."
-        return self._batch(self.task.sample(B_U or self.batch_config.B_U, self._rng(), replace=False),
-                           G or self.batch_config.G)
+@patch
+def sample_U_batch_distinct(self:ProbeComponents, B_U:int|None=None, G:int|None=None) -> dict:
+    "U: B_U distinct prompts, G completions each, with group-centred advantages."
+    return self._batch(self.task.sample(B_U or self.batch_config.B_U, self._rng(), replace=False),
+                       G or self.batch_config.G)
 
 # %% ../nbs/04_probes.ipynb #7d5e2175
 GRAD_H_ESTIMATORS = ("snis", "causal")

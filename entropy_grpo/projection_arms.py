@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from fastcore.basics import patch
 
 from .adapters import Adapter, check_signature
 from .dr_grpo import LENGTH_NORMS, check_length_norm, dr_grpo_loss
@@ -105,41 +106,47 @@ class VHack:
     S:dict|None=None        # {module: [k]} singular values of D_m
     vote:dict|None=None     # {module: [k]} fraction of pairs projecting positively
 
-    @property
-    def k(self) -> int: return next(iter(self.V.values())).shape[0]
+# %% ../nbs/05_projection_arms.ipynb #e40c2fc4
+@patch(as_prop=True)
+def k(self:VHack) -> int: return next(iter(self.V.values())).shape[0]
 
-    def to(self, device) -> "VHack":
-        "The same v_hack with V on `device`."
-        return VHack({n: v.to(device) for n, v in self.V.items()}, self.meta, self.S, self.vote)
+@patch
+def to(self:VHack, device) -> "VHack":
+    "The same v_hack with V on `device`."
+    return VHack({n: v.to(device) for n, v in self.V.items()}, self.meta, self.S, self.vote)
 
-    def check(self, adapter:Adapter) -> "VHack":
-        "ValueError when this v_hack was made for another model, adapter, target set or shape; else self."
-        check_signature(adapter.signature(), self.meta["adapter"], f"v_hack ({self.meta.get('source', 'pairs')})",
-                        adapter.identity_keys)
-        return self
+@patch
+def check(self:VHack, adapter:Adapter) -> "VHack":
+    "ValueError when this v_hack was made for another model, adapter, target set or shape; else self."
+    check_signature(adapter.signature(), self.meta["adapter"], f"v_hack ({self.meta.get('source', 'pairs')})",
+                    adapter.identity_keys)
+    return self
 
-    def direction(self, adapter:Adapter) -> dict[str, Tensor]:
-        "u = Σ_j v_j per module as {parameter name: tensor shaped like it}: the direction `cos` is measured against."
-        return adapter.param_tensors({n: v.sum(0) for n, v in self.V.items()})
+@patch
+def direction(self:VHack, adapter:Adapter) -> dict[str, Tensor]:
+    "u = Σ_j v_j per module as {parameter name: tensor shaped like it}: the direction `cos` is measured against."
+    return adapter.param_tensors({n: v.sum(0) for n, v in self.V.items()})
 
-    def save(self, path:str|Path):
-        from safetensors.torch import save_file
-        t = {f"V.{n}": v.cpu().contiguous() for n, v in self.V.items()}
-        for tag, d in (("S", self.S), ("vote", self.vote)):
-            if d is not None: t.update({f"{tag}.{n}": v.cpu().contiguous() for n, v in d.items()})
-        with atomic_path(path) as tmp: save_file(t, str(tmp), metadata={"entropy_grpo_v_hack": json.dumps(self.meta)})
+@patch
+def save(self:VHack, path:str|Path):
+    from safetensors.torch import save_file
+    t = {f"V.{n}": v.cpu().contiguous() for n, v in self.V.items()}
+    for tag, d in (("S", self.S), ("vote", self.vote)):
+        if d is not None: t.update({f"{tag}.{n}": v.cpu().contiguous() for n, v in d.items()})
+    with atomic_path(path) as tmp: save_file(t, str(tmp), metadata={"entropy_grpo_v_hack": json.dumps(self.meta)})
 
-    @classmethod
-    def load(cls, path:str|Path, adapter:Adapter|None=None, device=None) -> "VHack":
-        "Load a saved v_hack; with `adapter`, check it was made for that adapter (error names both)."
-        from safetensors import safe_open
-        with safe_open(str(path), "pt", device=str(device or "cpu")) as f:
-            meta = json.loads(f.metadata()["entropy_grpo_v_hack"])
-            names = meta["adapter"]["targets"]
-            parts = {tag: {n: f.get_tensor(f"{tag}.{n}") for n in names if f"{tag}.{n}" in f.keys()}
-                     for tag in ("V", "S", "vote")}
-        vh = cls(parts["V"], meta, parts["S"] or None, parts["vote"] or None)
-        return vh.check(adapter) if adapter is not None else vh
+# %% ../nbs/05_projection_arms.ipynb #885d6f33
+@patch(cls_method=True)
+def load(cls:VHack, path:str|Path, adapter:Adapter|None=None, device=None) -> "VHack":
+    "Load a saved v_hack; with `adapter`, check it was made for that adapter (error names both)."
+    from safetensors import safe_open
+    with safe_open(str(path), "pt", device=str(device or "cpu")) as f:
+        meta = json.loads(f.metadata()["entropy_grpo_v_hack"])
+        names = meta["adapter"]["targets"]
+        parts = {tag: {n: f.get_tensor(f"{tag}.{n}") for n in names if f"{tag}.{n}" in f.keys()}
+                 for tag in ("V", "S", "vote")}
+    vh = cls(parts["V"], meta, parts["S"] or None, parts["vote"] or None)
+    return vh.check(adapter) if adapter is not None else vh
 
 # %% ../nbs/05_projection_arms.ipynb #ee603833
 def _orient(D:Tensor, Vk:Tensor) -> tuple[Tensor, Tensor]:
@@ -313,32 +320,39 @@ class ProjectionArm:
         self.arm, self.adapter, self.v_hack, self.gate, self.overshoot = arm, adapter, v_hack, gate, overshoot
         self.last, self._before = {}, None
 
-    def _project(self, grads:dict) -> tuple[dict, dict]:
-        "Per-module grads -> (grads this arm applies, scalar stats)."
-        return arm_step(grads, self.v_hack.V, self.projects, self.gate, self.overshoot)
+# %% ../nbs/05_projection_arms.ipynb #e8a8fc75
+@patch
+def _project(self:ProjectionArm, grads:dict) -> tuple[dict, dict]:
+    "Per-module grads -> (grads this arm applies, scalar stats)."
+    return arm_step(grads, self.v_hack.V, self.projects, self.gate, self.overshoot)
 
-    def project(self, param_grads:dict[str, Tensor]) -> tuple[dict, dict]:
-        "{parameter name: grad} -> (the grads this arm applies, same keys and shapes; stats)."
-        new, st = self._project(self.adapter.module_vectors(param_grads))
-        return self.adapter.param_tensors(new), st
+@patch
+def project(self:ProjectionArm, param_grads:dict[str, Tensor]) -> tuple[dict, dict]:
+    "{parameter name: grad} -> (the grads this arm applies, same keys and shapes; stats)."
+    new, st = self._project(self.adapter.module_vectors(param_grads))
+    return self.adapter.param_tensors(new), st
 
-    def _weights(self) -> dict[str, Tensor]:
-        return {n: torch.cat([p.detach().float().reshape(-1) for p in ps.values()])
-                for n, ps in self.adapter.module_params().items()}
+@patch
+def _weights(self:ProjectionArm) -> dict[str, Tensor]:
+    return {n: torch.cat([p.detach().float().reshape(-1) for p in ps.values()])
+            for n, ps in self.adapter.module_params().items()}
 
-    def on_after_backward(self, ctx=None):
-        "Measure (all arms) and project (projected arms) the adapter's gradients in place."
-        if self.v_hack is None: return
-        if self._before is None: self._before = self._weights()      # the step's first optimizer step is next
-        new, st = self._project(self.adapter.flat_grads())
-        if self.projects: self.adapter.set_flat_grads(new)
-        self.last = dict(st, gate=self.gate, v_hack_source=self.v_hack.meta.get("source", "pairs"))
+@patch
+def on_after_backward(self:ProjectionArm, ctx=None):
+    "Measure (all arms) and project (projected arms) the adapter's gradients in place."
+    if self.v_hack is None: return
+    if self._before is None: self._before = self._weights()      # the step's first optimizer step is next
+    new, st = self._project(self.adapter.flat_grads())
+    if self.projects: self.adapter.set_flat_grads(new)
+    self.last = dict(st, gate=self.gate, v_hack_source=self.v_hack.meta.get("source", "pairs"))
 
-    def on_step_end(self, ctx, record:dict):
-        "Add the arm name, this step's alignment numbers and `cos_update` — the signed cos of what the optimizer "
-        "did (θ_before − θ_after, the gradient's sign) with v_hack — to the log record."
-        if self._before is not None:
-            d = {n: self._before[n] - w for n, w in self._weights().items()}
-            self.last["cos_update"] = alignment_stats(d, self.v_hack.V)["cos"]
-        record.update(arm=self.arm, **self.last)
-        self.last, self._before = {}, None
+# %% ../nbs/05_projection_arms.ipynb #87011b4e
+@patch
+def on_step_end(self:ProjectionArm, ctx, record:dict):
+    "Add the arm name, this step's alignment numbers and `cos_update` — the signed cos of what the optimizer "
+    "did (θ_before − θ_after, the gradient's sign) with v_hack — to the log record."
+    if self._before is not None:
+        d = {n: self._before[n] - w for n, w in self._weights().items()}
+        self.last["cos_update"] = alignment_stats(d, self.v_hack.V)["cos"]
+    record.update(arm=self.arm, **self.last)
+    self.last, self._before = {}, None

@@ -5,6 +5,7 @@
 # %% ../nbs/03b_report_to.ipynb #f9c4ef44
 from __future__ import annotations
 from pathlib import Path
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['report_names', 'Reporter']
@@ -46,23 +47,27 @@ class Reporter:
         self.state, self.control = TrainerState(), TrainerControl()
         for cb in self.callbacks: cb.on_train_begin(self.args, self.state, self.control, model=model)
 
-    def on_step_end(self, ctx, record:dict):
-        "The record's numbers (not its strings or lists); every `logging_steps` steps their window's means go out as"
-        " `train/<field>` at global step record['step'] + 1."
-        if not self.callbacks: return
-        self.window.append({k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"})
-        self.last = record["step"] + 1
-        if self.last % self.every == 0: self._send()
+# %% ../nbs/03b_report_to.ipynb #a1da059d
+@patch
+def on_step_end(self:Reporter, ctx, record:dict):
+    "The record's numbers (not its strings or lists); every `logging_steps` steps their window's means go out as"
+    " `train/<field>` at global step record['step'] + 1."
+    if not self.callbacks: return
+    self.window.append({k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"})
+    self.last = record["step"] + 1
+    if self.last % self.every == 0: self._send()
 
-    def _send(self):
-        self.state.global_step = self.last
-        keys = dict.fromkeys(k for r in self.window for k in r)     # a field a step did not log: the others' mean
-        logs = {k: sum(v) / len(v) for k in keys if (v := [r[k] for r in self.window if k in r])}
-        for cb in self.callbacks: cb.on_log(self.args, self.state, self.control, logs=logs)
-        self.window = []
+@patch
+def _send(self:Reporter):
+    self.state.global_step = self.last
+    keys = dict.fromkeys(k for r in self.window for k in r)     # a field a step did not log: the others' mean
+    logs = {k: sum(v) / len(v) for k in keys if (v := [r[k] for r in self.window if k in r])}
+    for cb in self.callbacks: cb.on_log(self.args, self.state, self.control, logs=logs)
+    self.window = []
 
-    def on_train_end(self, ctx=None):
-        "The last, shorter window (if any), then the integrations closed."
-        if self.callbacks and self.window: self._send()
-        for cb in self.callbacks: cb.on_train_end(self.args, self.state, self.control)
-        self.callbacks = []
+@patch
+def on_train_end(self:Reporter, ctx=None):
+    "The last, shorter window (if any), then the integrations closed."
+    if self.callbacks and self.window: self._send()
+    for cb in self.callbacks: cb.on_train_end(self.args, self.state, self.control)
+    self.callbacks = []

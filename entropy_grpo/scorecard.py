@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor
+from fastcore.basics import patch
 
 from .delta_entropy_is import DeltaEntropyIS, importance_config
 from .dist import rank
@@ -56,41 +57,46 @@ class PredictorScorecard:
         self.task, self.E_prompts, self.E_G, self.seed = task, E_prompts, E_generations, seed
         self.cfg, self._pending = importance_config(cfg_importance), None
 
-    def _sample_E(self, ctx):
-        "E_prompts prompts of this step and rank × G completions of the policy before the step, drawn with a seed "
-        "`train` never samples U with (E's draws independent of the step's)."
-        s = (self.seed * 1_000_003 + ctx.step) * 1_009 + rank() + (1 << 40)
-        problems = self.task.sample(self.E_prompts, random.Random(s), replace=False)
-        prompts = [self.task.prompt(p, ctx.sp.tokenizer, hint=ctx.config.hint) for p in problems]
-        return ctx.sp.generate_batched(prompts, self.E_G or ctx.config.num_generations, seed=s)
+# %% ../nbs/04e_scorecard.ipynb #a6e04b64
+@patch
+def _sample_E(self:PredictorScorecard, ctx):
+    "E_prompts prompts of this step and rank × G completions of the policy before the step, drawn with a seed "
+    "`train` never samples U with (E's draws independent of the step's)."
+    s = (self.seed * 1_000_003 + ctx.step) * 1_009 + rank() + (1 << 40)
+    problems = self.task.sample(self.E_prompts, random.Random(s), replace=False)
+    prompts = [self.task.prompt(p, ctx.sp.tokenizer, hint=ctx.config.hint) for p in problems]
+    return ctx.sp.generate_batched(prompts, self.E_G or ctx.config.num_generations, seed=s)
 
-    def on_after_backward(self, ctx):
-        c = ctx.config
-        if c.num_iterations != 1:
-            raise ValueError(f"num_iterations={c.num_iterations}: the scorecard measures one optimizer step per batch; "
-                             "set num_iterations=1")
-        opt = base_optimizer(ctx.optimizer)
-        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params))
-        coef = min(1.0, c.max_grad_norm / (norm + 1e-6)) if c.max_grad_norm else 1.0   # as clip_grad_norm_ scales
-        step = optimizer_delta(opt, grads={p: p.grad * coef for p in params})
-        E = self._sample_E(ctx)
-        probe = DeltaEntropyIS(ctx.model, ctx.sp.config, sequence_processor=ctx.sp)
-        before = probe.score(E, self.cfg)
-        gH, info = entropy_gradient(ctx.sp, E, "snis", params)
-        lr = float(opt.param_groups[0]["lr"])
-        res = ctx.sp.teacher_force_logprobs(ctx.batch, disc=True)[0]
-        tab = step_predictors(sampled_stats(res), loss_weights(res, ctx.advantages, c), res.gen_mask, lr)
-        pred = dict(pred_deltaH1=sum(float((g.double() * step[p].double()).sum()) for p, g in zip(params, gH)),
-                    pred_covariance=tab["covariance"], pred_discriminator=tab["discriminator"], H_E=info["H_orig"])
-        self._pending = (probe, E, before, pred)
+# %% ../nbs/04e_scorecard.ipynb #e158fb57
+@patch
+def on_after_backward(self:PredictorScorecard, ctx):
+    c = ctx.config
+    if c.num_iterations != 1:
+        raise ValueError(f"num_iterations={c.num_iterations}: the scorecard measures one optimizer step per batch; "
+                         "set num_iterations=1")
+    opt = base_optimizer(ctx.optimizer)
+    params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params))
+    coef = min(1.0, c.max_grad_norm / (norm + 1e-6)) if c.max_grad_norm else 1.0   # as clip_grad_norm_ scales
+    step = optimizer_delta(opt, grads={p: p.grad * coef for p in params})
+    E = self._sample_E(ctx)
+    probe = DeltaEntropyIS(ctx.model, ctx.sp.config, sequence_processor=ctx.sp)
+    before = probe.score(E, self.cfg)
+    gH, info = entropy_gradient(ctx.sp, E, "snis", params)
+    lr = float(opt.param_groups[0]["lr"])
+    res = ctx.sp.teacher_force_logprobs(ctx.batch, disc=True)[0]
+    tab = step_predictors(sampled_stats(res), loss_weights(res, ctx.advantages, c), res.gen_mask, lr)
+    pred = dict(pred_deltaH1=sum(float((g.double() * step[p].double()).sum()) for p, g in zip(params, gH)),
+                pred_covariance=tab["covariance"], pred_discriminator=tab["discriminator"], H_E=info["H_orig"])
+    self._pending = (probe, E, before, pred)
 
-    def on_step_end(self, ctx, record:dict):
-        probe, E, before, pred = self._pending
-        ch = probe.change(E, before, self.cfg, on_nonfinite="nan")
-        record.update(pred, deltaH_true=ch["deltaH_true"], deltaH_true_se=ch["deltaH_true_se"],
-                      deltaH_true_fixed_support=ch["deltaH_true_fixed_support"], ess_frac=ch["ess_frac"])
-        self._pending = None
+@patch
+def on_step_end(self:PredictorScorecard, ctx, record:dict):
+    probe, E, before, pred = self._pending
+    ch = probe.change(E, before, self.cfg, on_nonfinite="nan")
+    record.update(pred, deltaH_true=ch["deltaH_true"], deltaH_true_se=ch["deltaH_true_se"],
+                  deltaH_true_fixed_support=ch["deltaH_true_fixed_support"], ess_frac=ch["ess_frac"])
+    self._pending = None
 
 # %% ../nbs/04e_scorecard.ipynb #c41dc76b
 def scorecard(records:list[dict], resolved:float=2.0) -> list[dict]:

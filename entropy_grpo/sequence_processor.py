@@ -94,30 +94,33 @@ class SequenceProcessor:
         self.progress = progress    # tqdm: None = only on a terminal
         prepare_tokenizer(tokenizer)
 
-    @property
-    def device(self): return next(self.model.parameters()).device
+# %% ../nbs/00_sequence_processor.ipynb #92010b38
+@patch(as_prop=True)
+def device(self:SequenceProcessor): return next(self.model.parameters()).device
 
-    @property
-    def eos_token_id(self):
-        e = self.model.generation_config.eos_token_id
-        return e if e is not None else self.tokenizer.eos_token_id
+@patch(as_prop=True)
+def eos_token_id(self:SequenceProcessor):
+    e = self.model.generation_config.eos_token_id
+    return e if e is not None else self.tokenizer.eos_token_id
 
-    def _context_len(self):
-        c = self.model.config
-        return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+@patch
+def _context_len(self:SequenceProcessor):
+    c = self.model.config
+    return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
 
-    def _tokenize(self, prompts):
-        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-            raise ValueError(f"prompts={prompts!r}: expected a non-empty list of strings or token-id lists")
-        tokenize = lambda p: self.tokenizer(p, add_special_tokens=False)["input_ids"]
-        ids = [tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
-        ctx = self._context_len()
-        for i, x in enumerate(ids):
-            if len(x) == 0: raise ValueError(f"prompt {i} is empty")
-            if ctx is not None and len(x) + self.config.max_new_tokens > ctx:
-                raise ValueError(f"prompt {i} has {len(x)} tokens + max_new_tokens={self.config.max_new_tokens} "
-                                 f"> the model's context of {ctx} positions")
-        return ids
+@patch
+def _tokenize(self:SequenceProcessor, prompts):
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ValueError(f"prompts={prompts!r}: expected a non-empty list of strings or token-id lists")
+    tokenize = lambda p: self.tokenizer(p, add_special_tokens=False)["input_ids"]
+    ids = [tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
+    ctx = self._context_len()
+    for i, x in enumerate(ids):
+        if len(x) == 0: raise ValueError(f"prompt {i} is empty")
+        if ctx is not None and len(x) + self.config.max_new_tokens > ctx:
+            raise ValueError(f"prompt {i} has {len(x)} tokens + max_new_tokens={self.config.max_new_tokens} "
+                             f"> the model's context of {ctx} positions")
+    return ids
 
 # %% ../nbs/00_sequence_processor.ipynb #96a394e0
 @patch

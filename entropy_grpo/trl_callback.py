@@ -104,34 +104,40 @@ class GenerateEntropy:
         self.model, self.config, self.eos, self.on_batch = model, config, eos_token_ids, on_batch
         self.generate, self.last = model.generate, None
 
-    def install(self) -> "GenerateEntropy":
-        self.model.generate = self; return self
+# %% ../nbs/08_trl_callback.ipynb #f189aa6f
+@patch
+def install(self:GenerateEntropy) -> "GenerateEntropy":
+    self.model.generate = self; return self
 
-    def remove(self):
-        if self.model.__dict__.get("generate") is self: del self.model.generate
+@patch
+def remove(self:GenerateEntropy):
+    if self.model.__dict__.get("generate") is self: del self.model.generate
 
-    def _hook(self, steps):
-        c = self.config
-        def hook(module, args, out):
-            x = _scaled(_final_logits(self.model, out[:, -1].detach()), c.temperature)   # [N, V] as generate warps it
-            steps.append(token_stats(x, None, c.top_p, c.top_k)["rb"])
-        return hook
+@patch
+def _hook(self:GenerateEntropy, steps):
+    c = self.config
+    def hook(module, args, out):
+        x = _scaled(_final_logits(self.model, out[:, -1].detach()), c.temperature)   # [N, V] as generate warps it
+        steps.append(token_stats(x, None, c.top_p, c.top_k)["rb"])
+    return hook
 
-    def __call__(self, *args, **kwargs):
-        steps = []
-        h = self.model.get_output_embeddings().register_forward_hook(self._hook(steps))
-        try: out = self.generate(*args, **kwargs)
-        finally: h.remove()
-        ids = out if torch.is_tensor(out) else out.sequences
-        P = (kwargs["input_ids"] if "input_ids" in kwargs else args[0]).shape[1]
-        comp = ids[:, P:]                                                          # [N, L]
-        mask = completion_mask(comp, torch.ones_like(comp), torch.zeros(len(comp), dtype=torch.long,
-                                                                        device=comp.device), self.eos)
-        rb = torch.stack(steps[:comp.shape[1]], 1) if comp.shape[1] else comp.new_zeros(comp.shape, dtype=torch.float)
-        self.last = dict(sequences=ids, prompt_len=P, rb=rb, mask=mask,
-                         attention_mask=kwargs.get("attention_mask"))
-        if self.on_batch is not None: self.on_batch(rb, mask)
-        return out
+# %% ../nbs/08_trl_callback.ipynb #80de6b34
+@patch
+def __call__(self:GenerateEntropy, *args, **kwargs):
+    steps = []
+    h = self.model.get_output_embeddings().register_forward_hook(self._hook(steps))
+    try: out = self.generate(*args, **kwargs)
+    finally: h.remove()
+    ids = out if torch.is_tensor(out) else out.sequences
+    P = (kwargs["input_ids"] if "input_ids" in kwargs else args[0]).shape[1]
+    comp = ids[:, P:]                                                          # [N, L]
+    mask = completion_mask(comp, torch.ones_like(comp), torch.zeros(len(comp), dtype=torch.long,
+                                                                    device=comp.device), self.eos)
+    rb = torch.stack(steps[:comp.shape[1]], 1) if comp.shape[1] else comp.new_zeros(comp.shape, dtype=torch.float)
+    self.last = dict(sequences=ids, prompt_len=P, rb=rb, mask=mask,
+                     attention_mask=kwargs.get("attention_mask"))
+    if self.on_batch is not None: self.on_batch(rb, mask)
+    return out
 
 # %% ../nbs/08_trl_callback.ipynb #bac58df8
 class LossWeights:
@@ -142,30 +148,36 @@ class LossWeights:
         self.trainer, self.get, self.sums = trainer, trainer._get_per_token_logps_and_entropies, None
         self.signature = inspect.signature(self.get)
 
-    def install(self) -> "LossWeights":
-        self.trainer._get_per_token_logps_and_entropies = self; return self
+# %% ../nbs/08_trl_callback.ipynb #522cbe7b
+@patch
+def install(self:LossWeights) -> "LossWeights":  # noqa: F811 (@patch: each class its own)
+    self.trainer._get_per_token_logps_and_entropies = self; return self
 
-    def remove(self):
-        if self.trainer.__dict__.get("_get_per_token_logps_and_entropies") is self:
-            del self.trainer._get_per_token_logps_and_entropies
+@patch
+def remove(self:LossWeights):  # noqa: F811 (@patch: each class its own)
+    if self.trainer.__dict__.get("_get_per_token_logps_and_entropies") is self:
+        del self.trainer._get_per_token_logps_and_entropies
 
-    def __call__(self, *args, **kwargs):
-        out = self.get(*args, **kwargs)
-        if out[0].requires_grad:                                       # the loss's pass (generation's are no-grad)
-            a = self.signature.bind(*args, **kwargs).arguments
-            logp, mask = out[0].detach(), a["attention_mask"][:, -a["logits_to_keep"]:]     # [B, T] each
-            out[0].register_hook(lambda g: self._add(logp, -g, mask))
-        return out
+@patch
+def __call__(self:LossWeights, *args, **kwargs):  # noqa: F811 (@patch: each class its own)
+    out = self.get(*args, **kwargs)
+    if out[0].requires_grad:                                       # the loss's pass (generation's are no-grad)
+        a = self.signature.bind(*args, **kwargs).arguments
+        logp, mask = out[0].detach(), a["attention_mask"][:, -a["logits_to_keep"]:]     # [B, T] each
+        out[0].register_hook(lambda g: self._add(logp, -g, mask))
+    return out
 
-    def _add(self, logp:Tensor, w:Tensor, mask:Tensor):
-        scaler = getattr(self.trainer.accelerator, "scaler", None)     # fp16: the backward's loss was scaled
-        s = covariance_sums(logp, w / scaler.get_scale() if scaler is not None else w, mask)
-        self.sums = s if self.sums is None else self.sums + s
+@patch
+def _add(self:LossWeights, logp:Tensor, w:Tensor, mask:Tensor):
+    scaler = getattr(self.trainer.accelerator, "scaler", None)     # fp16: the backward's loss was scaled
+    s = covariance_sums(logp, w / scaler.get_scale() if scaler is not None else w, mask)
+    self.sums = s if self.sums is None else self.sums + s
 
-    def pop(self) -> Tensor|None:
-        "This process's sums since the last pop (None: no backward)."
-        s, self.sums = self.sums, None
-        return s
+@patch
+def pop(self:LossWeights) -> Tensor|None:
+    "This process's sums since the last pop (None: no backward)."
+    s, self.sums = self.sums, None
+    return s
 
 # %% ../nbs/08_trl_callback.ipynb #9fdc2da7
 class GRPOProbe:
