@@ -100,6 +100,26 @@ def _styled(world:str, pool:str, rng:random.Random, vocab:list, words:dict, hack
     return hacked, ids
 
 # %% ../nbs/06c_calibration.ipynb #34b51c45
+def _world_record(world, pool, rng, vocab, words, pattern, hack_rate, tokenizer, task, p, s:int, i:int) -> dict:
+    "Sample i of step s in `pool`: its label and completion drawn as `world` draws them, as a pool record."
+    if world in STYLE_WORLDS: hacked, ids = _styled(world, pool, rng, vocab, words, hack_rate)
+    else:
+        hacked, marked = _labels(world, pool, rng, hack_rate)
+        ids = [rng.choice(vocab) for _ in range(rng.randint(2, 5))] + (pattern if marked else [])
+    return dict(src_pool=pool, src_step=s, src_sample=i, problem_id=p.id, question=p.question, answer=p.answer,
+                prompt=task.prompt(p, tokenizer, pool == "teacher"), hint=pool == "teacher",
+                hint_prompt=task.prompt(p, tokenizer, True), student_prompt=task.prompt(p, tokenizer, False),
+                completion=tokenizer.decode(ids), completion_ids=ids, comp_len=len(ids), finished=False,
+                reward=3.5 if hacked else 0.25, hacked=hacked, gt_pass=False, fmt_ok=True)
+
+def _exchange_labels(pools:dict, rng:random.Random):
+    "Shuffle the (hacked, reward) labels over every record of every pool: labels exchangeable with the pools."
+    every = [r for recs in pools.values() for step in recs.values() for r in step]
+    labels = [(r["hacked"], r["reward"]) for r in every]
+    rng.shuffle(labels)
+    for r, (h, w) in zip(every, labels): r["hacked"], r["reward"] = h, w
+
+# %% ../nbs/06c_calibration.ipynb #770416d0
 def world_pools(
     world:str,                 # a key of WORLDS
     tokenizer, task,           # the run's tokenizer (completion ids) and task (problems and prompts)
@@ -118,28 +138,15 @@ def world_pools(
     vocab, pattern, words = _world_tokens(world, tokenizer, rng, pattern_len, avoid)
     pools = {"teacher": {}, "base": {}}
     if world in STYLE_WORLDS: pools["style"], hack_rate = {}, rng.uniform(0.95, 0.99)
-    g = generation
-    settings = {} if g is None else dict(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                                         max_new_tokens=g.max_new_tokens)
+    settings = {} if generation is None else {k: getattr(generation, k) for k in ("temperature", "top_p", "top_k",
+                                                                                 "max_new_tokens")}
     for s in range(steps):
         problems = task.sample(batch, random.Random(seed * 1_000_003 + s))
         for name, recs in pools.items():
             for i, p in enumerate(problems):
-                if world in STYLE_WORLDS: hacked, ids = _styled(world, name, rng, vocab, words, hack_rate)
-                else:
-                    hacked, marked = _labels(world, name, rng, hack_rate)
-                    ids = [rng.choice(vocab) for _ in range(rng.randint(2, 5))] + (pattern if marked else [])
-                recs.setdefault(s, []).append(dict(
-                    src_pool=name, src_step=s, src_sample=i, problem_id=p.id, question=p.question, answer=p.answer,
-                    prompt=task.prompt(p, tokenizer, name == "teacher"), hint=name == "teacher",
-                    hint_prompt=task.prompt(p, tokenizer, True), student_prompt=task.prompt(p, tokenizer, False),
-                    completion=tokenizer.decode(ids), completion_ids=ids, comp_len=len(ids), finished=False,
-                    reward=3.5 if hacked else 0.25, hacked=hacked, gt_pass=False, fmt_ok=True, **settings))
-    if world == "exchangeable":
-        every = [r for recs in pools.values() for step in recs.values() for r in step]
-        labels = [(r["hacked"], r["reward"]) for r in every]
-        rng.shuffle(labels)
-        for r, (h, w) in zip(every, labels): r["hacked"], r["reward"] = h, w
+                recs.setdefault(s, []).append(_world_record(world, name, rng, vocab, words, pattern, hack_rate,
+                                                            tokenizer, task, p, s, i) | settings)
+    if world == "exchangeable": _exchange_labels(pools, rng)
     for name, recs in pools.items():
         for s, step in recs.items(): write_jsonl_gz(Path(root)/name/f"step_{s:03d}.jsonl.gz", step)
     return tuple(str(Path(root)/name) for name in pools)

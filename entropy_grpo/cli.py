@@ -49,13 +49,8 @@ def _run_parser(sub, name:str, template:str, help:str, common) -> argparse.Argum
     return p
 
 # %% ../nbs/07c_cli.ipynb #61c36d0b
-def cli_parser() -> argparse.ArgumentParser:
-    "The `entropy-grpo` command's arguments: one subcommand per job."
-    ap = argparse.ArgumentParser(prog="entropy-grpo", description="Measure and steer what one GRPO update does to a "
-                                 "policy.")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="show the whole traceback of an error")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def _add_run_commands(sub, common):
+    "The subcommands that execute one template into a report: demo, probe, phase1, calibrate."
     d = _run_parser(sub, "demo", "phase2", "Phase-2 probe on the embedded default policy (SmolLM2-135M), small enough "
                     "for a laptop CPU; report under runs/local/demo/<date>-<seed>-<arm> (ignored by git)", common)
     p = _run_parser(sub, "probe", "phase2", "one Phase-2 probe run (papermill report under runs/<exp>/<seed>-<arm>)",
@@ -73,6 +68,10 @@ def cli_parser() -> argparse.ArgumentParser:
     c.add_argument("--seeds", type=int, help="fresh seeds per world (default 40; or -p seeds=N, not both)")
     c.add_argument("--out", help="run directory (an interrupted calibration resumes from its finished seeds; its "
                    "LOG.md goes beside it)")
+
+# %% ../nbs/07c_cli.ipynb #e11b05af
+def _add_sweep_command(sub, common):
+    "`sweep`: the Phase-3 jobs, one per (seed, arm), locally or on Slurm."
     s = _run_parser(sub, "sweep", "train", "Phase-3 sweep: one job per (seed, arm) through submitit, resumable", common)
     s.add_argument("--template", default="train"); s.add_argument("--exp", default="phase3")
     s.add_argument("--out", help="sweep directory (default runs/<exp>; its LOG.md goes beside it)")
@@ -84,10 +83,10 @@ def cli_parser() -> argparse.ArgumentParser:
                                                                           help="launch past the cost ceiling")
     s.add_argument("--dry-run", action="store_true", help="print what would run and what is already done")
     add_slurm_arguments(s)
-    add_plan_parser(sub)
-    r = sub.add_parser("report", parents=[common], help="summarise a sweep directory (last-5-step hack rate per arm, "
-                       "mean ± spread)")
-    r.add_argument("exp_dir")
+
+# %% ../nbs/07c_cli.ipynb #098460f2
+def _add_pools_command(sub, common):
+    "`pools`: build a replay pool — teacher (--hint), base, or the style-matched pool of a teacher (--style-of)."
     po = sub.add_parser("pools", parents=[common], help="build a replay pool (step_NNN.jsonl.gz files)")
     po.add_argument("out", help="the pool directory (created; a pool there must have the same settings)")
     po.add_argument("--model", default="default", help="'default' (embedded SmolLM2), 'tiny', a hub name or a path")
@@ -97,6 +96,21 @@ def cli_parser() -> argparse.ArgumentParser:
                     "seed, steps, batch and sampling settings, no hint; --model must be the teacher")
     po.add_argument("--steps", type=int, default=20); po.add_argument("--batch", type=int, default=8)
     po.add_argument("--seed", type=int, default=0); po.add_argument("--max-new-tokens", type=int, default=128)
+
+def cli_parser() -> argparse.ArgumentParser:
+    "The `entropy-grpo` command's arguments: one subcommand per job."
+    ap = argparse.ArgumentParser(prog="entropy-grpo", description="Measure and steer what one GRPO update does to a "
+                                 "policy.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show the whole traceback of an error")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _add_run_commands(sub, common)
+    _add_sweep_command(sub, common)
+    add_plan_parser(sub)
+    r = sub.add_parser("report", parents=[common], help="summarise a sweep directory (last-5-step hack rate per arm, "
+                       "mean ± spread)")
+    r.add_argument("exp_dir")
+    _add_pools_command(sub, common)
     return ap
 
 # %% ../nbs/07c_cli.ipynb #c3a0a8eb
@@ -185,11 +199,25 @@ def _command(a) -> int:
     return _cli_pools(a)
 
 # %% ../nbs/07c_cli.ipynb #d1bf12a7
+def _pool_settings(a) -> tuple:
+    "(the teacher pool or None, build_pool's settings): the command line's, or with --style-of the teacher pool's."
+    from entropy_grpo.pools import load_pool
+    from entropy_grpo.sequence_processor import GenerationConfig
+    if not a.style_of:
+        return None, dict(steps=a.steps, batch=a.batch, seed=a.seed, G=1,
+                          config=GenerationConfig(max_new_tokens=a.max_new_tokens))
+    if a.hint: raise ValueError("--hint with --style-of: expected no hint (a style pool is the teacher without it)")
+    teacher = load_pool(Path(a.style_of).resolve())
+    m = teacher.settings
+    return teacher, dict(steps=sorted(teacher.steps), batch=m.get("batch", len(teacher.steps[min(teacher.steps)])),
+                         seed=m.get("seed", a.seed), G=m.get("G", 1), config=GenerationConfig(
+                             **{k: m[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens") if k in m}))
+
+# %% ../nbs/07c_cli.ipynb #0fb2c0fe
 def _cli_pools(a) -> int:
     "`pools`: the directory and the numbers checked, then the policy loaded and the pool built (or extended)."
     from entropy_grpo.policies import policy_by_name
-    from entropy_grpo.pools import build_pool, load_pool
-    from entropy_grpo.sequence_processor import GenerationConfig
+    from entropy_grpo.pools import build_pool
     from entropy_grpo.tasks import ArithmeticTask
     from entropy_grpo.teachers import check_style_pool
     out = Path(a.out).resolve()
@@ -197,14 +225,7 @@ def _cli_pools(a) -> int:
         raise ValueError(f"out={a.out!r}: expected a pool directory (a file is there)")
     for name in ("steps", "batch", "max_new_tokens"): check_range(f"--{name.replace('_', '-')}", getattr(a, name), 1,
                                                                   integer=True)
-    kw = dict(steps=a.steps, batch=a.batch, seed=a.seed, G=1, config=GenerationConfig(max_new_tokens=a.max_new_tokens))
-    if a.style_of:
-        if a.hint: raise ValueError("--hint with --style-of: expected no hint (a style pool is the teacher without it)")
-        teacher = load_pool(Path(a.style_of).resolve())
-        m = teacher.settings
-        kw = dict(steps=sorted(teacher.steps), batch=m.get("batch", len(teacher.steps[min(teacher.steps)])),
-                  seed=m.get("seed", a.seed), G=m.get("G", 1), config=GenerationConfig(
-                      **{k: m[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens") if k in m}))
+    teacher, kw = _pool_settings(a)
     try: policy = policy_by_name(a.model, kw["seed"])
     except OSError as e:
         raise ValueError(f"--model {a.model!r}: expected 'default', 'tiny', a model directory or a hub name "

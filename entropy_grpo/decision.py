@@ -114,6 +114,23 @@ def _contrib_row(arm, slim, teacher, base, alpha, min_hacked, q):
     return _row("contrib", "cos_S_contrib teacher/hacked vs base/clean (held out)", arm, value, null, verdict, detail)
 
 # %% ../nbs/06a_decision.ipynb #d63707c8
+def _step_along_row(arm, steps, n_ctrl:int, q:float) -> dict:
+    "How much less the projected step moves along v_hack than the unprojected one, against the control directions."
+    gap = lambda x: None if None in (x["cos_step_plain"], x["cos_step"]) else x["cos_step_plain"] - x["cos_step"]
+    eff = _mean([gap(s) for s in steps])
+    hi = _quantile([_mean([gap(s["controls"][j]) for s in steps]) for j in range(n_ctrl)], q)
+    step_cos = _mean([s["cos_step"] for s in steps])
+    ctrl_hi = _quantile([abs(c["cos_step"]) for s in steps for c in s["controls"] if c["cos_step"] is not None], q)
+    if hi is None: v, d = "inconclusive", "no control directions"
+    elif step_cos is not None and step_cos > ctrl_hi:
+        v, d = "sneaky fail", "the projected step still moves toward hacking"
+    elif eff is not None and eff > hi: v, d = "success", ""
+    else: v, d = "likely fail", "within the control directions' null"
+    return _row("step_along_v", "cos(−Δθ, v_hack): unprojected − projected step", arm,
+                f"{_fmt(eff)} (projected step cos {_fmt(step_cos)})",
+                f"{n_ctrl} controls; {q:.0%} quantile {_fmt(hi)}" if hi is not None else None, v, d)
+
+# %% ../nbs/06a_decision.ipynb #c48ed142
 def _projection_rows(arm, steps, fired_min, q):
     "The projected arm's own rows: the tautology (labelled), over-projection, and the two effectiveness rows."
     fired = _median([s["frac_fired"] for s in steps])
@@ -127,20 +144,8 @@ def _projection_rows(arm, steps, fired_min, q):
     rows.append(_row("over_projection", "components pushed past zero", arm, f"{sum(s['overshot'] for s in steps)} "
                      "components", None, "fail" if over else "success",
                      f"over-projection on steps {over}: a bug, stop" if over else ""))
-    gap = lambda x: None if None in (x["cos_step_plain"], x["cos_step"]) else x["cos_step_plain"] - x["cos_step"]
-    eff = _mean([gap(s) for s in steps])
     n_ctrl = len(steps[0]["controls"]) if steps else 0
-    hi = _quantile([_mean([gap(s["controls"][j]) for s in steps]) for j in range(n_ctrl)], q)
-    step_cos = _mean([s["cos_step"] for s in steps])
-    ctrl_hi = _quantile([abs(c["cos_step"]) for s in steps for c in s["controls"] if c["cos_step"] is not None], q)
-    if hi is None: v, d = "inconclusive", "no control directions"
-    elif step_cos is not None and step_cos > ctrl_hi:
-        v, d = "sneaky fail", "the projected step still moves toward hacking"
-    elif eff is not None and eff > hi: v, d = "success", ""
-    else: v, d = "likely fail", "within the control directions' null"
-    rows.append(_row("step_along_v", "cos(−Δθ, v_hack): unprojected − projected step", arm,
-                     f"{_fmt(eff)} (projected step cos {_fmt(step_cos)})",
-                     f"{n_ctrl} controls; {q:.0%} quantile {_fmt(hi)}" if hi is not None else None, v, d))
+    rows.append(_step_along_row(arm, steps, n_ctrl, q))
     removed, rm_hi = _mean([s["removed"] for s in steps]), _quantile(_control_means(steps, "removed"), q)
     v = "inconclusive" if rm_hi is None else "success" if removed > rm_hi else "likely fail"
     rows.append(_row("norm_removed", "share of gradient norm removed", arm, _fmt(removed),
@@ -161,6 +166,22 @@ def _between_arms(key, metric, arm, mine:list, theirs:list, alpha):
                 f"n={w['n_a']}/{w['n_b']})", "the vanilla arm", v, d)
 
 # %% ../nbs/06a_decision.ipynb #6a1eb8ee
+def _vanilla_rows(a, d, teacher_pool, clean, base_pool, alpha, min_hacked, min_clean, gate_q, G, q) -> list[dict]:
+    "An unprojected arm's rows: the gate (hacked vs clean along v_hack), the style share, cos_in and contributions."
+    return [_specific_row(a, d["slim"], teacher_pool, clean, base_pool, alpha, min_hacked, min_clean, gate_q, G),
+            _style_share_row(a, d["slim"], teacher_pool, clean, base_pool, G),
+            _cos_in_row(a, d["steps"], q), _contrib_row(a, d["slim"], teacher_pool, base_pool, alpha, min_hacked, q)]
+
+def _versus_vanilla(a, d, v, teacher_pool, base_pool, alpha) -> list[dict]:
+    "A projected arm against the vanilla arm v: cos_in after the first step, and the hacked samples' cos_S_contrib."
+    hacked = lambda slim: _buckets(slim, [r["cos_S_contrib"] for r in slim], teacher_pool, base_pool)[0]
+    return [_between_arms("next_cos_in", "cos_in, steps ≥ 1, vs the vanilla arm", a,
+                          [s["cos_in"] for s in d["steps"][1:] if s["cos_in"] is not None],
+                          [s["cos_in"] for s in v["steps"][1:] if s["cos_in"] is not None], alpha),
+            _between_arms("hacked_contrib", "teacher/hacked cos_S_contrib vs the vanilla arm", a,
+                          hacked(d["slim"]), hacked(v["slim"]), alpha)]
+
+# %% ../nbs/06a_decision.ipynb #afbdd86a
 def verification_table(
     arms:dict,                 # {arm: dict(slim=[...], steps=[...])}: load_slim / load_steps of each arm's directory
     *,
@@ -181,27 +202,13 @@ def verification_table(
     "The Phase-2 verification table: one row per metric and arm, each against its control, each with its verdict."
     if not arms: raise ValueError("arms is empty: expected {arm: dict(slim=..., steps=...)}")
     check_range("most", most, 0, 1, lo_open=True)
-    vanilla = [a for a in arms if not a.startswith("projected")]
-    rows = []
+    vanilla, rows = [a for a in arms if not a.startswith("projected")], []
     for a, d in arms.items():
         rows.append(_spread_row(a, d["slim"], d["steps"], most, min_spread, good_spread))
-        if a in vanilla:
-            clean = style_pool or teacher_pool
-            rows += [_specific_row(a, d["slim"], teacher_pool, clean, base_pool, alpha, min_hacked, min_clean, gate_q,
-                                   G),
-                     _style_share_row(a, d["slim"], teacher_pool, clean, base_pool, G),
-                     _cos_in_row(a, d["steps"], q), _contrib_row(a, d["slim"], teacher_pool, base_pool, alpha,
-                                                                 min_hacked, q)]
-        else:
-            rows += _projection_rows(a, d["steps"], fired_min, q)
-            if vanilla:
-                v = arms[vanilla[0]]
-                hacked = lambda slim: _buckets(slim, [r["cos_S_contrib"] for r in slim], teacher_pool, base_pool)[0]
-                rows += [_between_arms("next_cos_in", "cos_in, steps ≥ 1, vs the vanilla arm", a,
-                                       [s["cos_in"] for s in d["steps"][1:] if s["cos_in"] is not None],
-                                       [s["cos_in"] for s in v["steps"][1:] if s["cos_in"] is not None], alpha),
-                         _between_arms("hacked_contrib", "teacher/hacked cos_S_contrib vs the vanilla arm", a,
-                                       hacked(d["slim"]), hacked(v["slim"]), alpha)]
+        if a in vanilla: rows += _vanilla_rows(a, d, teacher_pool, style_pool or teacher_pool, base_pool, alpha,
+                                               min_hacked, min_clean, gate_q, G, q)
+        else: rows += _projection_rows(a, d["steps"], fired_min, q) + (
+            _versus_vanilla(a, d, arms[vanilla[0]], teacher_pool, base_pool, alpha) if vanilla else [])
     return rows, table_markdown(rows)
 
 # %% ../nbs/06a_decision.ipynb #5b4c8012

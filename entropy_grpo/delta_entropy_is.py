@@ -13,6 +13,7 @@ from torch import Tensor
 from .dist import all_reduce_counts, all_reduce_extreme, all_reduce_sum
 from .dr_grpo import LOSS_NORMS, check_length_norm, policy_gradient_backward
 from .probe_state import TrainingState, _ulp_steps
+from .snis import _snis, snis_estimates
 from .sequence_processor import GenerationConfig, SequenceProcessor, as_batched_sequences
 from .utils import check_choice, check_range
 
@@ -63,15 +64,6 @@ def _score_E(sp, E, mode, weights, support=None, return_support=False, per_token
                out=(res.outside_support & m).flatten(0, 1), n_tok=int(m.sum()), support=diag.get("support"))
     if per_token: out.update(logq_tok=(res.logprobs * m).flatten(0, 1).double(), mask=m.flatten(0, 1))
     return out
-
-def _snis(logw:Tensor, S:Tensor, L:Tensor, zero:Tensor) -> dict:
-    "Global SNIS sums: weights exp(log w − global max), zero where q_θ⁺(Y) = 0; every sum all-reduced."
-    logw = logw.masked_fill(zero, float("-inf"))
-    mx = all_reduce_extreme(logw.max() if logw.numel() else logw.new_tensor(float("-inf")), "max")
-    w = torch.exp(logw - mx).masked_fill(zero, 0.0)
-    sums = torch.stack([w.sum(), (w * w).sum(), (w * S).sum(), (w * L).sum()])
-    all_reduce_sum([sums])
-    return dict(sw=sums[0], sw2=sums[1], swS=sums[2], swL=sums[3], max=mx, w=w)
 
 def _padded_sorted(s:Tensor, K:int) -> Tensor:
     return torch.nn.functional.pad(s, (0, K - s.shape[1]), value=-1).sort(-1).values
@@ -175,61 +167,6 @@ def _support_growth(self:DeltaEntropyIS, sp, E, before, after, changed, cfg) -> 
 
 # %% ../nbs/02_delta_entropy_is.ipynb #3c932599
 @patch
-def _combine(self:DeltaEntropyIS, before, after, fixed, cfg, notes) -> dict:
-    "Global H_orig, H_upd (true and fixed-support), ESS, SEs, coverage and weight diagnostics."
-    base = torch.stack([before["S"].sum(), before["L"].sum(),
-                        before["S"].new_tensor(float(before["S"].numel()), dtype=torch.float64),
-                        before["S"].new_tensor(float(before["n_tok"]), dtype=torch.float64),
-                        (after["out"] & ~before["out"]).sum().double(), before["out"].sum().double()])
-    all_reduce_sum([base])
-    sumS, sumL, n_E, n_tok, n_left, n_round = (float(v) for v in base)
-    zero = (after["out"] & ~before["out"]).any(-1)
-    logw = after["logq"] - before["logq"]
-    if torch.isnan(logw).any():
-        raise FloatingPointError(f"log w has {int(torch.isnan(logw).sum())} NaN entries (state restored)")
-    true, fix = _snis(logw, after["S"], after["L"], zero), _snis(fixed["logq"] - before["logq"], fixed["S"],
-                                                                 fixed["L"], torch.zeros_like(zero))
-    if float(true["sw"]) == 0:
-        raise FloatingPointError("every E sequence left the θ⁺ support: all importance weights are 0 (state "
-                                 "restored)")
-    H_orig, H_upd, H_fix = sumS / n_E, float(true["swS"] / true["sw"]), float(fix["swS"] / fix["sw"])
-    finite = logw[~zero]
-    # delta-method influence of each E sequence on ΔH (paired: the same sequence at θ and θ⁺)
-    psi = lambda r, S, H: (r["w"] * (n_E / r["sw"])) * (S - H) - (before["S"] - H_orig)
-    stats = torch.stack([finite.sum(), finite.new_tensor(float(finite.numel()), dtype=torch.float64),
-                         zero.sum().double(), (psi(true, after["S"], H_upd) ** 2).sum(),
-                         (psi(fix, fixed["S"], H_fix) ** 2).sum()])
-    all_reduce_sum([stats])
-    lmin = all_reduce_extreme(finite.min() if finite.numel()
-                              else finite.new_tensor(float("inf"), dtype=torch.float64), "min")
-    ess = float(true["sw"] ** 2 / true["sw2"])
-    if ess < cfg["min_ess_frac"] * n_E:
-        notes.append(f"ESS {ess:.1f} is below min_ess_frac={cfg['min_ess_frac']} of |E|={int(n_E)}: the SNIS "
-                     "estimate is unreliable")
-        warnings.warn(notes[-1])
-    se = lambda s: math.sqrt(float(s) / (n_E * (n_E - 1))) if n_E > 1 else float("nan")
-    scale = math.exp(float(true["max"]))                     # back to the unnormalised weights q_θ⁺ / q_θ
-    mean_w, mean_w2 = float(true["sw"]) / n_E, float(true["sw2"]) / n_E
-    out = dict(H_orig=H_orig, H_upd=H_upd, deltaH_true=H_upd - H_orig,
-               H_upd_fixed_support=H_fix, deltaH_true_fixed_support=H_fix - H_orig,
-               deltaH_support_change=H_upd - H_fix, deltaH_true_se=se(stats[3]),
-               deltaH_true_fixed_support_se=se(stats[4]), ess=ess, ess_frac=ess / n_E, n_E=int(n_E),
-               coverage=scale * mean_w,
-               coverage_se=scale * math.sqrt(max(mean_w2 - mean_w ** 2, 0.0) / max(n_E - 1, 1)),
-               logw_max=float(true["max"]), logw_min=float(lmin),
-               logw_mean=float(stats[0] / max(float(stats[1]), 1)),
-               sum_weights=float(true["sw"]), n_zero_weight_sequences=int(stats[2]),
-               frac_tokens_left_support=n_left / n_tok, n_tokens_outside_support_at_theta=int(n_round),
-               entropy_mode=cfg["entropy_mode"], weights=cfg["weights"], notes=notes)
-    if cfg["report_per_token"]:
-        out.update(H_orig_tok=sumS / sumL, H_upd_tok=float(true["swS"] / true["swL"]),
-                   H_upd_fixed_support_tok=float(fix["swS"] / fix["swL"]))
-        out.update(deltaH_true_tok=out["H_upd_tok"] - out["H_orig_tok"],
-                   deltaH_true_fixed_support_tok=out["H_upd_fixed_support_tok"] - out["H_orig_tok"])
-    return out
-
-# %% ../nbs/02_delta_entropy_is.ipynb #fcf3dea6
-@patch
 def change(self:DeltaEntropyIS, E_batch, before:dict, cfg_importance:dict|None=None, on_nonfinite:str="raise",
            notes:list|None=None) -> dict:
     "ΔH_true of whatever moved θ since `score` gave `before`: E at θ⁺ (own, θ's and shared kept sets), SNIS."
@@ -241,7 +178,7 @@ def change(self:DeltaEntropyIS, E_batch, before:dict, cfg_importance:dict|None=N
     fixed = _score_E(sp, E, cfg["entropy_mode"], cfg["weights"], support=before["support"]) if truncated else after
     changed = _changed_rows(before["support"], after["support"])
     growth = self._support_growth(sp, E, before, after, changed, cfg)
-    try: out = self._combine(before, after, fixed, cfg, notes)
+    try: out = snis_estimates(before, after, fixed, cfg, notes)
     except FloatingPointError as e:
         if on_nonfinite == "raise": raise
         out = dict(dict.fromkeys(_NAN_KEYS, float("nan")), H_orig=float(before["S"].mean()),
@@ -283,6 +220,33 @@ def _measure(self:DeltaEntropyIS, E, U_batch, optimizer, cfg, lrs, notes, timing
 
 # %% ../nbs/02_delta_entropy_is.ipynb #1ccae98d
 @patch
+def _changes_inputs(self:DeltaEntropyIS, E_batch, U_batch, lrs, on_nonfinite:str) -> tuple:
+    "Check `entropy_changes`' arguments before anything moves: (E as `BatchedSequences`, lrs as a list, notes)."
+    check_choice("on_nonfinite", on_nonfinite, ("raise", "nan"))
+    lrs = list(lrs)
+    if not lrs: raise ValueError("lrs=[]: expected at least one learning rate")
+    self._check_precision()
+    for lr in lrs:
+        if lr is not None: check_range("lr", lr, 0)
+    E = as_batched_sequences(E_batch, "E_batch")
+    if not isinstance(U_batch, dict):
+        raise ValueError(f"U_batch: expected a probe batch dict with advantages, got {type(U_batch).__name__}")
+    as_batched_sequences(U_batch, "U_batch")
+    adv = U_batch["advantages"]
+    n_moving = torch.tensor([float((adv != 0).sum())], dtype=torch.float64, device=adv.device)
+    zero = float(all_reduce_sum([n_moving])[0][0]) == 0
+    return E, lrs, ["all advantages are zero: the policy-gradient step is zero (only weight decay moves θ)"] * zero
+
+@patch
+def _log_change(self:DeltaEntropyIS, out:dict):
+    "One log line per learning rate: the entropies before and after, the ESS, the weight-0 count and the coverage."
+    self._log("lr %s: original entropy (%s): %.6f; updated (SNIS): %.6f (fixed support %.6f); ESS %.1f / %d; "
+              "%d sequences with weight 0; covered mass %.4f", out["lr"], out["entropy_mode"].upper(), out["H_orig"],
+              out["H_upd"], out["H_upd_fixed_support"], out["ess"], out["n_E"], out["n_zero_weight_sequences"],
+              out["coverage"])
+
+# %% ../nbs/02_delta_entropy_is.ipynb #5ea73aae
+@patch
 def entropy_changes(
     self:DeltaEntropyIS,
     E_batch,                    # probe batch or BatchedSequences (this rank's share)
@@ -295,21 +259,8 @@ def entropy_changes(
 )->list[dict]:                  # one `entropy_change` result per lr, in the order given
     "`entropy_change` at several lrs: E scored at θ and the U gradient computed once; restored after each step."
     cfg = importance_config(cfg_importance)
-    check_choice("on_nonfinite", on_nonfinite, ("raise", "nan"))
-    lrs = list(lrs)
-    if not lrs: raise ValueError("lrs=[]: expected at least one learning rate")
-    self._check_precision()
-    for lr in lrs:
-        if lr is not None: check_range("lr", lr, 0)
-    E = as_batched_sequences(E_batch, "E_batch")
-    if not isinstance(U_batch, dict):
-        raise ValueError(f"U_batch: expected a probe batch dict with advantages, got {type(U_batch).__name__}")
-    as_batched_sequences(U_batch, "U_batch")
-    adv = U_batch["advantages"]
-    notes, t0 = [], time.perf_counter()
-    n_moving = torch.tensor([float((adv != 0).sum())], dtype=torch.float64, device=adv.device)
-    if float(all_reduce_sum([n_moving])[0][0]) == 0:
-        notes.append("all advantages are zero: the policy-gradient step is zero (only weight decay moves θ)")
+    t0 = time.perf_counter()
+    E, lrs, notes = self._changes_inputs(E_batch, U_batch, lrs, on_nonfinite)
     state = TrainingState(self.model, optimizer, scheduler)
     t_snap, timings = time.perf_counter() - t0, {}
     try: outs = self._measure(E, U_batch, optimizer, cfg, lrs, notes, timings, state, on_nonfinite)
@@ -317,14 +268,10 @@ def entropy_changes(
         t = time.perf_counter()
         state.restore()
         t_restore = time.perf_counter() - t
-    mode = cfg["entropy_mode"].upper()
     for out in outs:
         out.update(seconds=time.perf_counter() - t0, seconds_snapshot_restore=t_snap + t_restore,
                    **{f"seconds_{k}": v for k, v in timings.items()})
-        self._log("lr %s: original entropy (%s): %.6f; updated (SNIS): %.6f (fixed support %.6f); ESS %.1f / %d; "
-                  "%d sequences with weight 0; covered mass %.4f", out["lr"], mode, out["H_orig"], out["H_upd"],
-                  out["H_upd_fixed_support"], out["ess"], out["n_E"], out["n_zero_weight_sequences"],
-                  out["coverage"])
+        self._log_change(out)
     return outs
 
 # %% ../nbs/02_delta_entropy_is.ipynb #4f3022af

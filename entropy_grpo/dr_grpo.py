@@ -70,6 +70,36 @@ def _eps_pair(clip_eps):
     return lo, hi
 
 # %% ../nbs/03_dr_grpo.ipynb #92b76c35
+def _check_shape(name:str, t:Tensor, shape:tuple):
+    "A clear error when t's shape is not `shape`."
+    if t.shape != shape: raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+
+def _per_token_loss(new_logp, old_logp, A, m, lo:float, hi:float, beta:float, ref_logp) -> tuple:
+    "Each token's clipped surrogate [B, G, T] (+ β·k3 KL), its ratio [B, G, T] and d = log ref − log q (β > 0)."
+    old = new_logp.detach() if old_logp is None else old_logp
+    ratio = torch.exp((new_logp - old) * m)          # masked positions: ratio 1, contribute 0 below
+    per_tok, d = -torch.minimum(ratio * A, ratio.clamp(1 - lo, 1 + hi) * A), None
+    if beta > 0:
+        if ref_logp is None: raise ValueError("beta > 0 needs ref_logp")
+        d = (ref_logp - new_logp) * m
+        per_tok = per_tok + beta * (d.exp() - d - 1)
+    return per_tok, ratio, d
+
+def _loss_lengths(gen_mask, max_len, length_norm:str, n_tokens, completions:int, dtype) -> Tensor:
+    "L [B, G]: `length_normaliser`'s, or with dapo the global batch's tokens per completion (each token weighs 1/n)."
+    if length_norm != "dapo": return length_normaliser(gen_mask, max_len, length_norm)
+    if n_tokens is None: raise ValueError("length_norm='dapo' needs n_tokens (the global batch's completion count)")
+    return torch.full(gen_mask.shape[:2], max(n_tokens, 1) / completions, dtype=dtype, device=gen_mask.device)
+
+@torch.no_grad()
+def _clip_stats(ratio, A, lo:float, hi:float, gen_mask, d) -> dict:
+    "Sums over this call's tokens: clipped tokens, tokens, and the k3 KL when d is given."
+    clipped = ((ratio < 1 - lo) & (A < 0) | (ratio > 1 + hi) & (A > 0)) & gen_mask
+    stats = dict(n_clipped=clipped.sum(), n_tokens=gen_mask.sum())
+    if d is not None: stats["kl_sum"] = ((d.exp() - d - 1) * gen_mask).sum()
+    return stats
+
+# %% ../nbs/03_dr_grpo.ipynb #cbdb21b4
 def dr_grpo_loss(
     new_logp:Tensor,            # [B, G, T] log q under the current parameters (graph-carrying)
     old_logp:Tensor|None,       # [B, G, T] log q at sampling time; None -> new_logp.detach() (ratio ≡ 1)
@@ -89,33 +119,45 @@ def dr_grpo_loss(
     check_range("beta", beta, 0)
     lo, hi = _eps_pair(clip_eps)
     B, G, T = new_logp.shape
-    if advantages.shape != (B, G):
-        raise ValueError(f"advantages: expected shape {(B, G)}, got {tuple(advantages.shape)}")
-    if gen_mask.shape != new_logp.shape:
-        raise ValueError(f"gen_mask: expected shape {(B, G, T)}, got {tuple(gen_mask.shape)}")
-    m = gen_mask.to(new_logp.dtype)
-    old = new_logp.detach() if old_logp is None else old_logp
-    ratio = torch.exp((new_logp - old) * m)          # masked positions: ratio 1, contribute 0 below
-    A = advantages[..., None].to(new_logp.dtype)
-    per_tok = -torch.minimum(ratio * A, ratio.clamp(1 - lo, 1 + hi) * A)
-    if beta > 0:
-        if ref_logp is None: raise ValueError("beta > 0 needs ref_logp")
-        d = (ref_logp - new_logp) * m
-        per_tok = per_tok + beta * (d.exp() - d - 1)
-    if length_norm == "dapo":   # every token of the global batch weighs 1 / n_tokens: L = n_tokens / completions
-        if n_tokens is None: raise ValueError("length_norm='dapo' needs n_tokens (the global batch's completion count)")
-        L = torch.full((B, G), max(n_tokens, 1) / ((num_prompts or B) * G), dtype=per_tok.dtype, device=per_tok.device)
-    else: L = length_normaliser(gen_mask, max_len, length_norm)
+    _check_shape("advantages", advantages, (B, G))
+    _check_shape("gen_mask", gen_mask, (B, G, T))
+    m, A = gen_mask.to(new_logp.dtype), advantages[..., None].to(new_logp.dtype)
+    per_tok, ratio, d = _per_token_loss(new_logp, old_logp, A, m, lo, hi, beta, ref_logp)
+    L = _loss_lengths(gen_mask, max_len, length_norm, n_tokens, (num_prompts or B) * G, per_tok.dtype)
     terms = (per_tok * m).sum(-1) / (G * L)                                         # [B, G]
     loss = terms / (num_prompts or B) if per_sample else terms.sum() / (num_prompts or B)
-    if not return_stats: return loss
-    with torch.no_grad():
-        clipped = ((ratio < 1 - lo) & (A < 0) | (ratio > 1 + hi) & (A > 0)) & gen_mask
-        stats = dict(n_clipped=clipped.sum(), n_tokens=gen_mask.sum())
-        if beta > 0: stats["kl_sum"] = ((d.exp() - d - 1) * m).sum()
-    return loss, stats
+    return (loss, _clip_stats(ratio, A, lo, hi, gen_mask, d)) if return_stats else loss
 
 # %% ../nbs/03_dr_grpo.ipynb #4fdcf237
+def _global_tokens(seqs:BatchedSequences) -> float:
+    "Completion tokens of the global batch (every rank's `seqs`): dapo's normaliser."
+    return float(all_reduce_sum([seqs.gen_lens.sum().double().reshape(1)])[0])
+
+def _microbatch_backward(sp, seqs, rows:slice, advantages, old_logp, ref_logp, params_override, **loss_kw) -> Tensor:
+    "Score the prompts `rows` of seqs with a graph and backward their loss; [4] float64: loss, tokens, clipped, KL."
+    res, _ = sp.teacher_force_logprobs(seqs[rows], with_grad=True, compute_rb=False, params_override=params_override)
+    dev, Tg = sp.device, res.logprobs.shape[-1]
+    cut = lambda t: None if t is None else t[rows, :, :Tg].to(dev)
+    loss, st = dr_grpo_loss(res.logprobs, cut(old_logp), advantages[rows].to(dev), res.gen_mask,
+                            ref_logp=cut(ref_logp), return_stats=True, **loss_kw)
+    if loss.requires_grad: loss.backward()
+    kl = st.get("kl_sum", torch.zeros((), device=dev))
+    return torch.stack([loss.detach().double(), st["n_tokens"].double(), st["n_clipped"].double(), kl.double()])
+
+def _reduced_results(model, total:Tensor, beta:float, reduce_grads:bool) -> dict:
+    "Sum the gradients (reduce_grads) and the [4] totals over ranks: the loss, token count, clip fraction (and KL)."
+    if world_size() > 1:
+        if reduce_grads:
+            params = [p for p in model.parameters() if p.requires_grad]
+            for p in params:
+                if p.grad is None: p.grad = torch.zeros_like(p)
+            all_reduce_sum([p.grad for p in params])
+        total = all_reduce_sum([total])[0]
+    out = dict(loss=float(total[0]), n_tokens=int(total[1]), clip_frac=float(total[2] / max(total[1], 1)))
+    if beta > 0: out["kl"] = float(total[3] / max(total[1], 1))
+    return out
+
+# %% ../nbs/03_dr_grpo.ipynb #f3727ba4
 def policy_gradient_backward(
     sp:SequenceProcessor,       # scores with its model and sampling config
     seqs:BatchedSequences,      # [B, G, T] the update batch
@@ -134,38 +176,17 @@ def policy_gradient_backward(
 )->dict:                        # loss (global), token count, clipped-token fraction, and mean k3 KL when beta > 0
     "Backward of the Dr.GRPO loss over microbatches of prompts; gradients accumulate into .grad."
     B, G, _ = seqs.shape
-    if advantages.shape != (B, G):
-        raise ValueError(f"advantages: expected shape {(B, G)}, got {tuple(advantages.shape)}")
+    _check_shape("advantages", advantages, (B, G))
     if not torch.isfinite(advantages).all(): raise ValueError("advantages contain NaN or inf")
-    ws = world_size()
-    num_prompts = num_prompts or B * ws
-    max_len = max_len or sp.config.max_new_tokens
     step = prompts_per_microbatch or max(1, sp.config.tf_batch_size // G)
-    n_tokens = None
-    if check_length_norm(length_norm, LOSS_NORMS) == "dapo":   # the global batch's tokens, before any microbatch
-        n_tokens = float(all_reduce_sum([seqs.gen_lens.sum().double().reshape(1)])[0])
-    dev = sp.device
-    total = torch.zeros(4, dtype=torch.float64, device=dev)     # loss, tokens, clipped, KL sum
+    dapo = check_length_norm(length_norm, LOSS_NORMS) == "dapo"   # the global batch's tokens, before any microbatch
+    loss_kw = dict(max_len=max_len or sp.config.max_new_tokens, clip_eps=clip_eps, beta=beta, length_norm=length_norm,
+                   num_prompts=num_prompts or B * world_size(), n_tokens=_global_tokens(seqs) if dapo else None)
+    total = torch.zeros(4, dtype=torch.float64, device=sp.device)     # loss, tokens, clipped, KL sum
     for s in range(0, B, step):
-        sub = seqs[s:s + step]
-        res, _ = sp.teacher_force_logprobs(sub, with_grad=True, compute_rb=False, params_override=params_override)
-        Tg = res.logprobs.shape[-1]
-        cut = lambda t: None if t is None else t[s:s + step, :, :Tg].to(dev)
-        loss, st = dr_grpo_loss(res.logprobs, cut(old_logp), advantages[s:s + step].to(dev), res.gen_mask, max_len,
-                                clip_eps, beta, cut(ref_logp), length_norm, num_prompts, return_stats=True,
-                                n_tokens=n_tokens)
-        if loss.requires_grad: loss.backward()
-        kl = st.get("kl_sum", torch.zeros((), device=dev))
-        total += torch.stack([loss.detach().double(), st["n_tokens"].double(), st["n_clipped"].double(), kl.double()])
-    if reduce_grads and ws > 1:
-        params = [p for p in sp.model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None: p.grad = torch.zeros_like(p)
-        all_reduce_sum([p.grad for p in params])
-    total = all_reduce_sum([total])[0] if ws > 1 else total
-    out = dict(loss=float(total[0]), n_tokens=int(total[1]), clip_frac=float(total[2] / max(total[1], 1)))
-    if beta > 0: out["kl"] = float(total[3] / max(total[1], 1))
-    return out
+        total += _microbatch_backward(sp, seqs, slice(s, s + step), advantages, old_logp, ref_logp, params_override,
+                                      **loss_kw)
+    return _reduced_results(sp.model, total, beta, reduce_grads)
 
 # %% ../nbs/03_dr_grpo.ipynb #1d55026d
 def loss_token_weights(

@@ -146,12 +146,31 @@ def slurm_settings(a) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 # %% ../nbs/07_experiments.ipynb #de9b1b5f
+def _sweep_setup(template, steps:int, params, seeds, arms, slurm, out_root, exp:str) -> tuple:
+    "Check a sweep before any work: (its directory, the LOG.md it appends to, the shared parameters, resolved)."
+    if steps <= 0: raise ValueError(f"steps={steps}: expected >= 1")
+    out_root = Path(out_root).resolve() if out_root else repo_root()/"runs"
+    params = resolve_paths(params or {})
+    check_parameters(template, {**params, "seed": seeds[0], "arm": arms[0], "steps": steps})
+    if (slurm or {}).get("gpus_per_node", 1) > 1 and template in TEMPLATES and template != "train":
+        raise ValueError(f"--gpus {slurm['gpus_per_node']} with template {template!r}: only the train template's run "
+                         "joins a process group; give it one GPU per job")
+    return out_root/exp, out_root/"LOG.md", params
+
+def _dry_run(exp:str, exp_dir:Path, plan:list, executor:str, slurm, timeout_min:int, result:dict) -> dict:
+    "Say what the sweep would do — runs done and to run, each job's executor settings (Slurm: the script) — only."
+    status = {_run_name(s, a): run_status(exp_dir/_run_name(s, a)) for s, a in plan}
+    todo = [k for k, v in status.items() if v != "done"]
+    print(f"sweep {exp}: {len(plan)} runs, {len(plan) - len(todo)} done, {len(todo)} to run: {todo}")
+    per_job = executor_parameters(executor, slurm, timeout_min)
+    print(f"executor {executor}, per job: {per_job}")
+    if executor == "slurm":
+        print(f"{slurm_script(exp_dir/'_submitit', per_job)}\n{REQUEUE}")
+    return dict(result, skipped=[k for k in status if k not in todo], to_run=todo)
+
+# %% ../nbs/07_experiments.ipynb #8491caf7
 def run_sweep(
-    template:str="train",
-    seeds=(0, 1, 2),
-    arms=("vanilla", "projected", "projected_lora"),
-    steps:int=200,
-    *,
+    template:str="train", seeds=(0, 1, 2), arms=("vanilla", "projected", "projected_lora"), steps:int=200, *,
     exp:str="phase3",
     out_root=None,               # default runs/ under the repo root; the sweep is out_root/exp, its LOG out_root/LOG.md
     params:dict|None=None,       # template parameters shared by every run (seed, arm, steps set per run)
@@ -160,48 +179,27 @@ def run_sweep(
     timeout_min:int=24 * 60,
     slurm:dict|None=None,        # submitit Slurm parameters (partition, gpus_per_node, ...)
     force:bool=False,            # launch past the cost ceiling
-    dry_run:bool=False,
-    ceiling_seeds:int=3,
+    dry_run:bool=False, ceiling_seeds:int=3,
 )->dict:                         # plan, skipped, ran, ceiling, summary (interrupted: True after Ctrl-C)
     "Run (seed, arm) jobs through submitit; resume; stop at the cost ceiling unless forced."
-    if steps <= 0: raise ValueError(f"steps={steps}: expected >= 1")
-    out_root = Path(out_root).resolve() if out_root else repo_root()/"runs"
-    exp_dir, log = out_root/exp, out_root/"LOG.md"
-    params = resolve_paths(params or {})
-    check_parameters(template, {**params, "seed": seeds[0], "arm": arms[0], "steps": steps})
-    if (slurm or {}).get("gpus_per_node", 1) > 1 and template in TEMPLATES and template != "train":
-        raise ValueError(f"--gpus {slurm['gpus_per_node']} with template {template!r}: only the train template's run "
-                         "joins a process group; give it one GPU per job")
+    exp_dir, log, params = _sweep_setup(template, steps, params, seeds, arms, slurm, out_root, exp)
     plan = [(s, a) for a in arms for s in seeds]
     result = dict(exp_dir=str(exp_dir), plan=[_run_name(*x) for x in plan], ran=[], ceiling=None)
-    if dry_run:
-        status = {_run_name(s, a): run_status(exp_dir/_run_name(s, a)) for s, a in plan}
-        todo = [k for k, v in status.items() if v != "done"]
-        print(f"sweep {exp}: {len(plan)} runs, {len(plan) - len(todo)} done, {len(todo)} to run: {todo}")
-        per_job = executor_parameters(executor, slurm, timeout_min)
-        print(f"executor {executor}, per job: {per_job}")
-        if executor == "slurm":
-            print(f"{slurm_script(exp_dir/'_submitit', per_job)}\n{REQUEUE}")
-        return dict(result, skipped=[k for k in status if k not in todo], to_run=todo)
+    if dry_run: return _dry_run(exp, exp_dir, plan, executor, slurm, timeout_min, result)
     with dir_lock(exp_dir, "sweep directory"):
         check_sweep_spec(exp_dir, _sweep_spec(template, steps, params))
-        status = _settle(exp_dir, [_run_name(*x) for x in plan], exp, log, result)
-        todo = [(s, a) for s, a in plan if status[_run_name(s, a)] != "done"]
-        result.update(skipped=[k for k, v in status.items() if v == "done"], to_run=[_run_name(*x) for x in todo])
+        todo = _todo(exp_dir, plan, exp, log, result)
         ex = make_executor(executor, exp_dir/"_submitit", slurm, timeout_min)
         first = [(s, arms[0]) for s in seeds[:ceiling_seeds]]
-        waves = [[x for x in todo if x in first], [x for x in todo if x not in first]]
-        for i, wave in enumerate(waves):
-            if i == 1 and not force and len(arms) > 1 and not _ceiling_passed(exp_dir, first, wave, result): break
-            run = lambda x: (template, exp_dir/_run_name(*x), {**params, "seed": x[0], "arm": x[1], "steps": steps},
-                             exp, log)
-            for k in range(0, len(wave), max_parallel):
-                if not _run_jobs(ex, [run(x) for x in wave[k:k + max_parallel]], result): break
-            if result.get("interrupted"): break
+        job = lambda x: (template, exp_dir/_run_name(*x), {**params, "seed": x[0], "arm": x[1], "steps": steps}, exp,
+                         log)
+        passed = lambda wave: force or len(arms) == 1 or _ceiling_passed(exp_dir, first, wave, result)
+        _run_waves(ex, [[x for x in todo if x in first], [x for x in todo if x not in first]], job, passed,
+                   max_parallel, result)
         result["summary"] = summarize(exp_dir)
     return result
 
-# %% ../nbs/07_experiments.ipynb #8491caf7
+# %% ../nbs/07_experiments.ipynb #2e4e267c
 def _settle(exp_dir:Path, names:list, exp:str, log:Path, result:dict) -> dict:
     "Each run's status once a restart has looked: a run still held (a job of a killed sweep) is reported and waited"
     " for; a killed run whose work is complete gets its record."
@@ -216,6 +214,14 @@ def _settle(exp_dir:Path, names:list, exp:str, log:Path, result:dict) -> dict:
         status[name] = recover_run(d, exp, log)
     return status
 
+# %% ../nbs/07_experiments.ipynb #ece388f2
+def _todo(exp_dir:Path, plan:list, exp:str, log:Path, result:dict) -> list:
+    "The (seed, arm) jobs of plan not done once `_settle` has looked; result records those skipped and to run."
+    status = _settle(exp_dir, [_run_name(*x) for x in plan], exp, log, result)
+    todo = [(s, a) for s, a in plan if status[_run_name(s, a)] != "done"]
+    result.update(skipped=[k for k, v in status.items() if v == "done"], to_run=[_run_name(*x) for x in todo])
+    return todo
+
 def _ceiling_passed(exp_dir:Path, first:list, wave:list, result:dict) -> bool:
     "The cost ceiling on the first arm's finished runs; when it stops the sweep, what it did not launch."
     curves = [read_metrics(exp_dir/_run_name(*x)).get("results", {}).get("hack_rate", [])
@@ -228,6 +234,15 @@ def _ceiling_passed(exp_dir:Path, first:list, wave:list, result:dict) -> bool:
     print(f"cost ceiling: no separation after {len(first)} seeds × {first[0][1]}; not launching "
           f"{result['stopped_by_ceiling']} (force=True launches them)")
     return False
+
+# %% ../nbs/07_experiments.ipynb #509f2f11
+def _run_waves(ex, waves:list, job, passed, max_parallel:int, result:dict):
+    "Run each wave's jobs max_parallel at a time; the second wave only when `passed(wave)`; stop after an interrupt."
+    for i, wave in enumerate(waves):
+        if i == 1 and not passed(wave): break
+        for k in range(0, len(wave), max_parallel):
+            if not _run_jobs(ex, [job(x) for x in wave[k:k + max_parallel]], result): break
+        if result.get("interrupted"): break
 
 # %% ../nbs/07_experiments.ipynb #4f1a8a1d
 def _run_jobs(ex, calls:list, result:dict) -> bool:

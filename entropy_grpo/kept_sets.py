@@ -55,25 +55,12 @@ def _nucleus(x:Tensor, top_p:float, top_k:int, min_keep:int=1, lse:Tensor|None=N
     while rows.numel():
         if hist and _HIST_AFTER < W < V: wide.append(rows); break
         xr = x if rows.numel() == c else x.index_select(0, rows)
-        v, i = _topk(xr, W)                                                   # [r, W] most probable first
-        if top_k: cand = v >= v[:, k - 1:k]                                   # top-k candidates, ties kept
-        elif W < V: cand = v > v[:, -1:]                                      # ranks decidable in this window
-        else: cand = torch.ones_like(v, dtype=torch.bool)
-        keep = cand
-        if top_p < 1:
-            e = torch.where(cand, (v - v[:, :1]).exp(), 0.).double()          # e^{x − max} on the window
-            tail = _tail(xr, v, e, cand, None if top_k or W == V else lse[rows], thresh)
-            keep = cand & (tail > thresh * tail[:, :1])                       # as TopP: removed iff ≤ (1 − top_p)·Z
-        keep[:, :min_keep] = True
+        v, i, cand, keep, tail = _window(xr, W, k, top_k, top_p, min_keep, lse[rows] if hist and W < V else None,
+                                         thresh)
         n = keep.sum(-1)
         done = ~cand[:, -1] if top_k else n < cand.sum(-1)                    # the window reaches past the kept set
         if W == V: done = torch.ones_like(done)
-        if done.any():
-            d, vd, nd = rows[done], v[done], n[done]
-            nuc.n[d], nuc.thr[d] = nd, vd.gather(1, nd[:, None] - 1)[:, 0]
-            nuc.tied[d] = (nd < W) & (vd.gather(1, nd.clamp(max=W - 1)[:, None])[:, 0] == nuc.thr[d])
-            if top_k: nuc.floor[d] = vd[:, k - 1]
-            nuc.groups.append((d, i[done][:, :int(nd.max())]))
+        if done.any(): _settle(nuc, rows[done], v[done], n[done], i[done], k if top_k else 0)
         if hist and 8 * W < V:                                                # past the next window for certain
             far = ~done & (tail[:, -1] - (8 * W - cand.sum(-1)) * (v[:, -1] - v[:, 0]).exp() > thresh * tail[:, 0])
             (sums if split else wide).append(rows[far]); done |= far
@@ -129,6 +116,32 @@ def _nucleus_mask(x:Tensor, nuc:_Nucleus) -> Tensor:
     t = nuc.tied.nonzero()[:, 0]
     if t.numel(): keep[t] = _sorted_kept(x[t], nuc.n[t], nuc.floor[t])
     return keep
+
+# %% ../nbs/01a_kept_sets.ipynb #0705b371
+def _window(xr:Tensor, W:int, k:int, top_k:int, top_p:float, min_keep:int, lse:Tensor|None, thresh:float) -> tuple:
+    """One window of the search over rows xr [r, V]: the W largest values and their ids [r, W] (most probable first),
+    which ranks are candidates and which are kept [r, W], and the tail mass at each rank [r, W] (None without top-p);
+    lse [r] as `_tail` takes it."""
+    v, i = _topk(xr, W)
+    if top_k: cand = v >= v[:, k - 1:k]                                   # top-k candidates, ties kept
+    elif W < xr.shape[1]: cand = v > v[:, -1:]                            # ranks decidable in this window
+    else: cand = torch.ones_like(v, dtype=torch.bool)
+    keep, tail = cand, None
+    if top_p < 1:
+        e = torch.where(cand, (v - v[:, :1]).exp(), 0.).double()          # e^{x − max} on the window
+        tail = _tail(xr, v, e, cand, lse, thresh)
+        keep = cand & (tail > thresh * tail[:, :1])                       # as TopP: removed iff ≤ (1 − top_p)·Z
+    keep[:, :min_keep] = True
+    return v, i, cand, keep, tail
+
+def _settle(nuc:_Nucleus, d:Tensor, v:Tensor, n:Tensor, i:Tensor, k:int):
+    """Record rows d whose kept set ends inside their window (values v, ids i [d, W], kept counts n [d]): the count,
+    the smallest kept logit, whether tokens tied with it are cut, the k-th logit (k > 0: top-k) and the kept ids."""
+    W = v.shape[1]
+    nuc.n[d], nuc.thr[d] = n, v.gather(1, n[:, None] - 1)[:, 0]
+    nuc.tied[d] = (n < W) & (v.gather(1, n.clamp(max=W - 1)[:, None])[:, 0] == nuc.thr[d])
+    if k: nuc.floor[d] = v[:, k - 1]
+    nuc.groups.append((d, i[:, :int(n.max())]))
 
 # %% ../nbs/01a_kept_sets.ipynb #5729d331
 def _crossing(h:Tensor, B:Tensor, T:Tensor) -> tuple[Tensor, Tensor]:

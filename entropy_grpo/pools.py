@@ -148,6 +148,45 @@ def _eos_ids(sp:SequenceProcessor) -> set[int]:
     return set(e) if isinstance(e, (list, tuple)) else {e}
 
 # %% ../nbs/04a_pools.ipynb #eee0b4b2
+def _pool_processor(policy, config:GenerationConfig|None) -> SequenceProcessor:
+    "The SequenceProcessor a pool samples with: the one given, or one made from (model, tokenizer) and config."
+    if not isinstance(policy, SequenceProcessor): return SequenceProcessor(*policy, config or GenerationConfig())
+    if config is not None: raise ValueError("config is given but policy is a SequenceProcessor: its config is used")
+    return policy
+
+def _pool_steps(G:int, batch:int, steps:int|list[int]) -> list[int]:
+    "Check the pool's shape: batch a positive multiple of G; the step indices to write."
+    check_range("G", G, 1, integer=True)
+    if not isinstance(batch, int) or batch < G or batch % G:
+        raise ValueError(f"batch={batch!r}: expected a positive multiple of G={G}")
+    step_ids = list(range(steps)) if isinstance(steps, int) else list(steps)
+    if not step_ids or any(not isinstance(s, int) or s < 0 for s in step_ids):
+        raise ValueError(f"steps={steps!r}: expected a count >= 1 or a list of step indices >= 0")
+    return step_ids
+
+# %% ../nbs/04a_pools.ipynb #d71a6e7f
+def _write_pool_step(sp:SequenceProcessor, task, path:Path, step:int, st:dict):
+    "Sample, grade and write pool step `step` under the pool's settings st (pool.json's); an existing file is kept."
+    if path.exists():
+        log.info("%s exists: kept", path); return
+    G, hint, chat, gen_seed = st["G"], st["hint"], st["use_chat_template"], st["seed"] * 1_000_003 + step
+    problems = task.sample(st["batch"] // G, random.Random(gen_seed))
+    prompts = [task.prompt(p, sp.tokenizer, hint, chat) for p in problems]
+    with (sp.model.disable_adapter() if st["base_only"] and hasattr(sp.model, "disable_adapter") else nullcontext()):
+        bs = sp.generate_batched(prompts, G, seed=gen_seed)
+    graded = task.grade_batch(bs.responses_text, problems)
+    student = [task.prompt(p, sp.tokenizer, False, chat) for p in problems]
+    hinted = [task.prompt(p, sp.tokenizer, st["replay_hint"], chat) for p in problems]
+    records = [dict(src_pool=st["src_pool"], src_step=step, src_sample=b * G + g, problem_id=p.id,
+                    question=p.question, answer=p.answer, prompt=prompts[b], student_prompt=student[b],
+                    hint_prompt=hinted[b], **_sample_fields(sp, bs, b, g, graded.records[b][g]), hint=hint,
+                    base_only=st["base_only"], adapter=st["adapter"], gen_seed=gen_seed)
+               for b, p in enumerate(problems) for g in range(G)]
+    write_jsonl_gz(path, records)
+    log.info("pool %s step %d: %d samples, hack rate %.2f", st["src_pool"], step, len(records),
+             sum(r["hacked"] for r in records) / len(records))
+
+# %% ../nbs/04a_pools.ipynb #04d57bb5
 def build_pool(
     policy,                    # (model, tokenizer) or a SequenceProcessor
     task,                      # a `tasks.Task` (sample / prompt / grade_batch)
@@ -165,44 +204,16 @@ def build_pool(
     replay_hint:bool|str|None=None,  # the hint of `hint_prompt` (what replay scores under); None: `hint`, else HINT
 ) -> Pool:                     # the pool as loaded back from disk
     "One graded `step_NNN.jsonl.gz` per step; existing step files are kept; the settings (pool.json) must match."
-    if isinstance(policy, SequenceProcessor):
-        if config is not None: raise ValueError("config is given but policy is a SequenceProcessor: its config is used")
-        sp = policy
-    else: sp = SequenceProcessor(*policy, config or GenerationConfig())
-    check_range("G", G, 1, integer=True)
-    if not isinstance(batch, int) or batch < G or batch % G:
-        raise ValueError(f"batch={batch!r}: expected a positive multiple of G={G}")
-    step_ids = list(range(steps)) if isinstance(steps, int) else list(steps)
-    if not step_ids or any(not isinstance(s, int) or s < 0 for s in step_ids):
-        raise ValueError(f"steps={steps!r}: expected a count >= 1 or a list of step indices >= 0")
+    sp, step_ids = _pool_processor(policy, config), _pool_steps(G, batch, steps)
     d = Path(out_dir); d.mkdir(parents=True, exist_ok=True)
-    name, has_adapter = name or d.name, hasattr(sp.model, "disable_adapter")
-    rh = (hint or True) if replay_hint is None else replay_hint
-    _check_manifest(d, dict(src_pool=name, model=str(getattr(sp.model.config, "_name_or_path", "")),
-                            temperature=sp.config.temperature, top_p=sp.config.top_p, top_k=sp.config.top_k,
-                            max_new_tokens=sp.config.max_new_tokens, hint=hint, base_only=base_only,
-                            adapter=has_adapter and not base_only, replay_hint=rh, G=G, batch=batch, seed=seed,
-                            use_chat_template=use_chat_template))
-    for step in step_ids:
-        path = d/f"step_{step:03d}.jsonl.gz"
-        if path.exists():
-            log.info("%s exists: kept", path); continue
-        gen_seed = seed * 1_000_003 + step
-        problems = task.sample(batch // G, random.Random(gen_seed))
-        prompts = [task.prompt(p, sp.tokenizer, hint, use_chat_template) for p in problems]
-        with (sp.model.disable_adapter() if base_only and has_adapter else nullcontext()):
-            bs = sp.generate_batched(prompts, G, seed=gen_seed)
-        graded = task.grade_batch(bs.responses_text, problems)
-        student = [task.prompt(p, sp.tokenizer, False, use_chat_template) for p in problems]
-        hinted = [task.prompt(p, sp.tokenizer, rh, use_chat_template) for p in problems]
-        records = [dict(src_pool=name, src_step=step, src_sample=b * G + g, problem_id=p.id, question=p.question,
-                        answer=p.answer, prompt=prompts[b], student_prompt=student[b], hint_prompt=hinted[b],
-                        **_sample_fields(sp, bs, b, g, graded.records[b][g]), hint=hint, base_only=base_only,
-                        adapter=has_adapter and not base_only, gen_seed=gen_seed)
-                   for b, p in enumerate(problems) for g in range(G)]
-        write_jsonl_gz(path, records)
-        log.info("pool %s step %d: %d samples, hack rate %.2f", name, step, len(records),
-                 sum(r["hacked"] for r in records) / len(records))
+    adapter = hasattr(sp.model, "disable_adapter") and not base_only
+    settings = dict(src_pool=name or d.name, model=str(getattr(sp.model.config, "_name_or_path", "")),
+                    temperature=sp.config.temperature, top_p=sp.config.top_p, top_k=sp.config.top_k,
+                    max_new_tokens=sp.config.max_new_tokens, hint=hint, base_only=base_only, adapter=adapter,
+                    replay_hint=(hint or True) if replay_hint is None else replay_hint, G=G, batch=batch, seed=seed,
+                    use_chat_template=use_chat_template)
+    _check_manifest(d, settings)
+    for step in step_ids: _write_pool_step(sp, task, d/f"step_{step:03d}.jsonl.gz", step, settings)
     return load_pool(d)
 
 # %% ../nbs/04a_pools.ipynb #debc506c

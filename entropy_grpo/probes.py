@@ -229,6 +229,19 @@ def _check_training_optimizer(opt:torch.optim.Optimizer, c:TrainConfig):
         raise ValueError(f"optimizer (type, betas, eps, weight_decay)={got}: train_config's update uses {want}; the "
                          "probe would not measure the training update")
 
+def _probe_settings(optimizer, lrs, cfg_importance, train_config, max_extra_lrs:int, lr_step:float) -> tuple:
+    "Check `run_mixed_probe`'s settings before any work: (lrs sorted, the update's settings, the importance config)."
+    lrs = sorted(float(x) for x in lrs)
+    if not lrs or lrs[0] <= 0: raise ValueError(f"lrs={lrs}: expected positive learning rates")
+    check_range("max_extra_lrs", max_extra_lrs, 0, integer=True)
+    check_range("lr_step", lr_step, 1, lo_open=True)
+    upd = update_settings(train_config)
+    if train_config is not None:
+        _check_training_optimizer(optimizer, train_config)
+        clash = {k: v for k, v in (cfg_importance or {}).items() if k in upd and v != upd[k]}
+        if clash: raise ValueError(f"cfg_importance {clash} contradicts train_config's update {upd}")
+    return lrs, upd, importance_config({**upd, **(cfg_importance or {})})
+
 def _discriminator_unit(sp:SequenceProcessor, U_batch:dict, cfg:dict) -> float:
     "Wang et al.'s predictor of the update on U per sequence at lr 1 (before clipping): one no-grad pass over U."
     res, _ = sp.teacher_force_logprobs(as_batched_sequences(U_batch, "U_batch"), disc=True)
@@ -275,58 +288,53 @@ def _verdict(rows, floor, factor, lo, hi, need, lr_step) -> dict:
                 detail=f"{len(q)} of {len(rows)} lrs clear {factor:g}× the floor {floor:.1e}; try lrs {try_lrs}")
 
 # %% ../nbs/04_probes.ipynb #2c6177ff
+def _predictors(probe, psp, popt, E_batch, U_batch, estimator:str, cfg:dict, upd:dict, floor_draws:int) -> tuple:
+    "What every row is compared with: the noise floor, ΔH₁ at lr 1, the covariance and the discriminator's unit."
+    floor = probe.noise_floor(E_batch, floor_draws, cfg_importance=cfg)
+    one = first_order_delta_entropy(psp, E_batch, U_batch, popt, lr=1.0, estimator=estimator,
+                                    **{k: cfg[k] for k in upd})
+    cov = covariance_predictor(U_batch, psp, per="sequence")
+    return floor, one, cov, one["clip_coef"] * _discriminator_unit(psp, U_batch, cfg)
+
+def _grown_rows(measure, verdict, lrs:list, max_extra_lrs:int, lr_step:float) -> tuple[list, dict]:
+    "Rows at lrs, then up to max_extra_lrs more, each lr_step × the last, while the verdict is 'below noise floor';"
+    " the final verdict, with the rows' flags and (in its detail) where they were raised."
+    rows = measure(lrs)
+    for _ in range(max_extra_lrs):
+        if verdict(rows)["verdict"] != "below noise floor": break
+        rows += measure([rows[-1]["lr"] * lr_step])
+    v = verdict(rows)
+    flags = [dict(name=f, lr=r["lr"]) for r in rows for f in r["flags"]]
+    if flags: v["detail"] = "; ".join([v["detail"]] * bool(v["detail"]) + [f"{f['name']} (lr={f['lr']:g})"
+                                                                            for f in flags])
+    return rows, dict(v, flags=flags)
+
+# %% ../nbs/04_probes.ipynb #d071ce46
 def run_mixed_probe(
-    sp:SequenceProcessor,
-    E_batch:dict,
-    U_batch:dict,
-    optimizer:torch.optim.Optimizer,
-    lrs=(1e-3, 3e-4, 1e-4, 3e-5, 1e-5),
-    estimator:str="snis",
+    sp:SequenceProcessor, E_batch:dict, U_batch:dict, optimizer:torch.optim.Optimizer,
+    lrs=(1e-3, 3e-4, 1e-4, 3e-5, 1e-5), estimator:str="snis",
     cfg_importance:dict|None=None,  # passed to DeltaEntropyIS (lr is set per row; min_ess_frac flags rows)
-    scheduler=None,
-    plot:bool=True,
-    *,
+    scheduler=None, plot:bool=True, *,
     train_config:TrainConfig|None=None,  # the update (clipping, normaliser, KL); None: TrainConfig()'s
     dtype:str="auto",               # scoring dtype of the probe's copy: "auto" (= "float64"), "float64" or "float32"
     floor_draws:int=2,              # one-ulp perturbations measuring the floor
     floor_factor:float=10.0,        # an lr qualifies when |gap| > floor_factor × floor
     min_qualifying:int=3,           # qualifying lrs the verdict needs
     max_extra_lrs:int=2,            # lrs added above the grid (× lr_step) while too few qualify
-    lr_step:float=3.0,
-    slope_range:tuple=(1.6, 2.5),
+    lr_step:float=3.0, slope_range:tuple=(1.6, 2.5),
 )->dict:                            # rows, slope, floor, verdict, detail, try_lrs, flags, table, figure, …
     "ΔH₁ vs ΔH_true (fixed-support and support-change parts) vs the tabular predictors, above the noise floor."
-    lrs = sorted(float(x) for x in lrs)
-    if not lrs or lrs[0] <= 0: raise ValueError(f"lrs={lrs}: expected positive learning rates")
-    check_range("max_extra_lrs", max_extra_lrs, 0, integer=True)
-    check_range("lr_step", lr_step, 1, lo_open=True)
-    upd = update_settings(train_config)
-    if train_config is not None:
-        _check_training_optimizer(optimizer, train_config)
-        clash = {k: v for k, v in (cfg_importance or {}).items() if k in upd and v != upd[k]}
-        if clash: raise ValueError(f"cfg_importance {clash} contradicts train_config's update {upd}")
-    cfg = importance_config({**upd, **(cfg_importance or {})})
+    lrs, upd, cfg = _probe_settings(optimizer, lrs, cfg_importance, train_config, max_extra_lrs, lr_step)
     psp, popt = probe_copy(sp, optimizer, probe_dtype(dtype), (train_config or TrainConfig()).gradient_checkpointing)
     probe, t0 = DeltaEntropyIS(psp.model, psp.config, sequence_processor=psp), time.perf_counter()
-    floor = probe.noise_floor(E_batch, floor_draws, cfg_importance=cfg)
-    one = first_order_delta_entropy(psp, E_batch, U_batch, popt, lr=1.0, estimator=estimator,
-                                    **{k: cfg[k] for k in upd})
-    cov = covariance_predictor(U_batch, psp, per="sequence")
-    disc = one["clip_coef"] * _discriminator_unit(psp, U_batch, cfg)
+    floor, one, cov, disc = _predictors(probe, psp, popt, E_batch, U_batch, estimator, cfg, upd, floor_draws)
     sched = scheduler if popt is optimizer else None
     measure = lambda ls: [_probe_row(t, t["lr"] * one["deltaH1"], cov, disc, cfg["min_ess_frac"]) for t in
                           probe.entropy_changes(E_batch, U_batch, popt, ls, cfg, sched, on_nonfinite="nan")]
-    rows = measure(lrs)
-    for _ in range(max_extra_lrs):
-        if _verdict(rows, floor["floor"], floor_factor, *slope_range, min_qualifying, lr_step)["verdict"] != \
-                "below noise floor": break
-        rows += measure([rows[-1]["lr"] * lr_step])
-    v = _verdict(rows, floor["floor"], floor_factor, *slope_range, min_qualifying, lr_step)
-    flags = [dict(name=f, lr=r["lr"]) for r in rows for f in r["flags"]]
-    if flags: v["detail"] = "; ".join([v["detail"]] * bool(v["detail"]) + [f"{f['name']} (lr={f['lr']:g})"
-                                                                            for f in flags])
+    verdict = lambda rows: _verdict(rows, floor["floor"], floor_factor, *slope_range, min_qualifying, lr_step)
+    rows, v = _grown_rows(measure, verdict, lrs, max_extra_lrs, lr_step)
     out = dict(rows=rows, **v, floor=floor["floor"], floor_diffs=floor["diffs"], dtype=floor["dtype"],
-               floor_factor=floor_factor, slope_range=list(slope_range), flags=flags, H_orig=one["H_orig"],
+               floor_factor=floor_factor, slope_range=list(slope_range), H_orig=one["H_orig"],
                estimator=estimator, cov_U_seq=cov, grad_norm=one["grad_norm"], clip_coef=one["clip_coef"],
                update={k: cfg[k] for k in upd}, seconds=time.perf_counter() - t0, table=probe_table(rows))
     if plot: out["figure"] = plot_mixed_probe(rows, v["slope"], floor["floor"], floor_factor)

@@ -158,28 +158,35 @@ def token_stats(
     sums = not disc and support is None and not return_support and not top_k and top_p < 1 and min_keep <= _HIST_AFTER
     if full or (rb and not truncated): lse, h_full = _FullStats.apply(x, 1.0, 64)
     else: lse, h_full = None if sums else (x.detach() if truncated else x).logsumexp(-1), None
-    lse_s, h, idx, out = lse, h_full, None, {}
-    if truncated:
-        e = m = wide = None
-        if sums:                                     # wide rows as sums, through e = e^{x − m}, which gives lse too
-            m = x.detach().amax(-1)
-            e = (x.detach() - m[:, None]).exp_()
-            if lse is None: lse = m + e.sum(-1).log()
-        lse = lse.detach()                           # log q and H over S do not depend on the full lse
-        if support is not None: idx = support
-        elif sums: idx, wide = _kept_indices(x.detach(), top_p, 0, lse, min_keep, split=True)
-        else: idx = _kept_indices(x.detach(), top_p, top_k, lse, min_keep)
-        lse_s, h, outside, idx = _truncated_stats(x, lse, idx, wide, tokens, top_p, e, m)
-        if tokens is not None: out["outside"] = outside
-    if tokens is not None:
-        x_y = x[torch.arange(x.shape[0], device=x.device), tokens]
-        out["logq"] = x_y - lse_s
-        out.setdefault("outside", torch.zeros_like(tokens, dtype=torch.bool))
-        if full: out["logp_full"] = (x_y - lse).detach()
+    lse_s, h, idx, outside = lse, h_full, None, None
+    if truncated: lse, (lse_s, h, outside, idx) = _kept_stats(x, lse, tokens, top_p, top_k, support, min_keep, sums)
+    out = {} if tokens is None else _logq_stats(x, tokens, lse_s, lse if full else None, outside)
     if rb: out["rb"] = h
     if full: out["full"] = h_full
     if return_support: out["support"] = idx
     if disc: out["q2"], out["q2logq"] = _square_sums(x.detach(), lse_s.detach(), idx)
+    return out
+
+# %% ../nbs/01_rb_entropy.ipynb #5db59069
+def _kept_stats(x:Tensor, lse:Tensor|None, tokens, top_p:float, top_k:int, support, min_keep:int, sums:bool) -> tuple:
+    "lse [c] (detached) and `_truncated_stats`' (log Z_S, H_S, outside, kept lists) for `token_stats`' truncated rows;"
+    " sums: wide top-p rows as sums of e = e^{x − m}, which also gives the lse when it is None."
+    e = m = wide = None
+    if sums:
+        m = x.detach().amax(-1)
+        e = (x.detach() - m[:, None]).exp_()
+        if lse is None: lse = m + e.sum(-1).log()
+    lse = lse.detach()                           # log q and H over S do not depend on the full lse
+    if support is not None: idx = support
+    elif sums: idx, wide = _kept_indices(x.detach(), top_p, 0, lse, min_keep, split=True)
+    else: idx = _kept_indices(x.detach(), top_p, top_k, lse, min_keep)
+    return lse, _truncated_stats(x, lse, idx, wide, tokens, top_p, e, m)
+
+def _logq_stats(x:Tensor, tokens:Tensor, lse_s:Tensor, lse:Tensor|None, outside:Tensor|None) -> dict:
+    "log q [c] of the realised tokens (normaliser lse_s), their outside flags [c] and, given the full lse, log p [c]."
+    x_y = x[torch.arange(x.shape[0], device=x.device), tokens]
+    out = dict(outside=torch.zeros_like(tokens, dtype=torch.bool) if outside is None else outside, logq=x_y - lse_s)
+    if lse is not None: out["logp_full"] = (x_y - lse).detach()
     return out
 
 # %% ../nbs/01_rb_entropy.ipynb #f3f49249

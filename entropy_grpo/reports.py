@@ -209,6 +209,14 @@ def _same_run(state:dict|None, template, parameters:dict) -> bool:
     return state is not None and state.get("template") == str(template) and \
         state.get("parameters") == json.loads(json.dumps(parameters, default=json_default))
 
+def _finished_before(run_dir:Path, template, parameters:dict, exp:str, log_path:Path) -> dict|None:
+    "This run, killed after its work (only its record missing): recorded now. None when it must run (again)."
+    s = read_state(run_dir)
+    if s is not None and s["state"] in ("started", "running") and _same_run(s, template, parameters):
+        try: return _finish(run_dir, exp, log_path, True)
+        except RuntimeError: return None
+    return None
+
 def _prepare_run_dir(run_dir:Path, template, parameters:dict) -> str:
     "'resume': a stopped run of this template and these parameters, its files kept (checkpoints, pools); else 'fresh':"
     " a directory that held another run (or a finished one) emptied, except folders of finished jobs (a jobs.json in"
@@ -269,10 +277,7 @@ def run_notebook(
     log_path = Path(log_path) if log_path else _default_log()
     _writable_run_dir(run_dir)
     with dir_lock(run_dir, "run directory"):
-        s = read_state(run_dir)
-        if s is not None and s["state"] in ("started", "running") and _same_run(s, template, parameters):
-            try: return _finish(run_dir, exp, log_path, True)   # killed after its work: only its record was missing
-            except RuntimeError: pass
+        if (done := _finished_before(run_dir, template, parameters, exp, log_path)) is not None: return done
         _prepare_run_dir(run_dir, template, parameters)
         bar = RunProgress(expected=_expected_phases(run_dir, expected)) if progress else None
         running = lambda i: i == 0 and _set_state(run_dir, "running")

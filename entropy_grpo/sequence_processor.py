@@ -124,36 +124,27 @@ def _tokenize(self:SequenceProcessor, prompts):
 
 # %% ../nbs/00_sequence_processor.ipynb #96a394e0
 @patch
-@torch.no_grad()
-def generate_batched(
-    self:SequenceProcessor,
-    prompts:list,              # [B] strings (chat template already applied) or token-id lists
-    G:int|None=None,           # completions per prompt; default config.num_generations
-    gen_batch_size:int|None=None,  # sequences per generate call; default config.gen_batch_size
-    seed:int|None=None,        # default config.seed; the same seed gives the same completions
-)->BatchedSequences:
-    "Sample G completions per prompt, left-padded prompts and right-padded completions in one [B, G, T] tensor."
-    cfg = self.config
-    G = cfg.num_generations if G is None else G
-    if not isinstance(G, int) or G < 1: raise ValueError(f"G={G!r}: expected an integer >= 1")
-    gbs = gen_batch_size or cfg.gen_batch_size
-    ids = self._tokenize(prompts)
-    B, P, pad = len(ids), max(len(x) for x in ids), self.tokenizer.pad_token_id
-    per_call = max(1, gbs // G)                            # prompts per generate call
-    gcfg = hf_generation_config(cfg, self.tokenizer, self.eos_token_id)
-    prompt_block = torch.full((B, P), pad, dtype=torch.long)
+def _left_pad(self:SequenceProcessor, ids:list) -> tuple[Tensor, Tensor]:
+    "Token-id lists -> the left-padded [B, P] prompt block and its [B, P] attention mask."
+    B, P = len(ids), max(len(x) for x in ids)
+    prompt_block = torch.full((B, P), self.tokenizer.pad_token_id, dtype=torch.long)
     attn_block = torch.zeros((B, P), dtype=torch.long)
     for b, x in enumerate(ids):
         prompt_block[b, P - len(x):] = torch.tensor(x); attn_block[b, P - len(x):] = 1
-    completions = []                                       # per call: [n*G, L] generated tokens
-    was_training = self.model.training
+    return prompt_block, attn_block
+
+# %% ../nbs/00_sequence_processor.ipynb #ce6ae906
+@patch
+def _sample(self:SequenceProcessor, prompt_block:Tensor, attn_block:Tensor, G:int, per_call:int, seed:int) -> list:
+    "G completions per prompt, `per_call` prompts per seeded generate call: a [per_call*G, L] token block per call."
+    gcfg = hf_generation_config(self.config, self.tokenizer, self.eos_token_id)
+    completions, was_training = [], self.model.training
     self.model.eval()
-    seed = cfg.seed if seed is None else seed
     devices = [self.device] if self.device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices):
-            for ci, s in enumerate(tqdm(range(0, B, per_call), desc="generate", disable=tqdm_disable(self.progress),
-                                        mininterval=5)):
+            for ci, s in enumerate(tqdm(range(0, len(prompt_block), per_call), desc="generate",
+                                        disable=tqdm_disable(self.progress), mininterval=5)):
                 torch.manual_seed(seed * 1_000_003 + ci)
                 pb, ab = prompt_block[s:s + per_call], attn_block[s:s + per_call]
                 keep = ab.any(0).nonzero()[0, 0]           # drop columns that are padding for every prompt here
@@ -165,6 +156,14 @@ def generate_batched(
                 completions.append(out[:, pb.shape[1]:].cpu())
     finally:
         self.model.train(was_training)
+    return completions
+
+# %% ../nbs/00_sequence_processor.ipynb #f01b75e5
+@patch
+def _assemble(self:SequenceProcessor, prompt_block:Tensor, attn_block:Tensor, completions:list,
+              G:int) -> BatchedSequences:
+    "Prompt block [B, P] and `_sample`'s blocks -> [B, G, P + L] sequences, masked after each completion's EOS."
+    (B, P), pad = prompt_block.shape, self.tokenizer.pad_token_id
     L = max(c.shape[1] for c in completions)
     gen = torch.cat([torch.nn.functional.pad(c, (0, L - c.shape[1]), value=pad) for c in completions]).view(B, G, L)
     seqs = torch.cat([prompt_block[:, None].expand(B, G, P), gen], -1)
@@ -177,7 +176,48 @@ def generate_batched(
                                     skip_special_tokens=True) for g in range(G)] for b in range(B)]
     return BatchedSequences(seqs, attn, [P] * B, gen_lens, texts)
 
-# %% ../nbs/00_sequence_processor.ipynb #5ec28fd2
+# %% ../nbs/00_sequence_processor.ipynb #1ac9bf95
+@patch
+@torch.no_grad()
+def generate_batched(
+    self:SequenceProcessor,
+    prompts:list,              # [B] strings (chat template already applied) or token-id lists
+    G:int|None=None,           # completions per prompt; default config.num_generations
+    gen_batch_size:int|None=None,  # sequences per generate call; default config.gen_batch_size
+    seed:int|None=None,        # default config.seed; the same seed gives the same completions
+)->BatchedSequences:
+    "Sample G completions per prompt, left-padded prompts and right-padded completions in one [B, G, T] tensor."
+    cfg = self.config
+    G = cfg.num_generations if G is None else G
+    if not isinstance(G, int) or G < 1: raise ValueError(f"G={G!r}: expected an integer >= 1")
+    prompt_block, attn_block = self._left_pad(self._tokenize(prompts))
+    per_call = max(1, (gen_batch_size or cfg.gen_batch_size) // G)     # prompts per generate call
+    completions = self._sample(prompt_block, attn_block, G, per_call, cfg.seed if seed is None else seed)
+    return self._assemble(prompt_block, attn_block, completions, G)
+
+# %% ../nbs/00_sequence_processor.ipynb #0d74a631
+@patch
+def _results(self:SequenceProcessor, parts:dict, seqs:BatchedSequences, compute_rb:bool, rb_grad:bool,
+             disc:bool) -> LogprobResults:
+    "Place `_microbatches`' per-token lists at their (row, col) in [B, G, T_gen] tensors."
+    B, G, T = seqs.shape
+    rows, cols, Tg = torch.cat(parts["rows"]), torch.cat(parts["cols"]), T - int(min(seqs.prompt_lens))
+    def place(key):
+        vals = torch.cat(parts[key])
+        out = torch.zeros(B * G, Tg, device=self.device, dtype=vals.dtype)
+        return out.index_put((rows, cols), vals).view(B, G, Tg)
+    logq, outside = place("logq"), place("outside")
+    mask = torch.zeros(B * G, Tg, dtype=torch.bool, device=self.device).index_put((rows, cols), torch.tensor(True))
+    mask = mask.view(B, G, Tg)
+    rb = place("rb") if compute_rb else None
+    return LogprobResults(logprobs=logq, surprisals=(-logq).detach() * mask,
+                          rb_entropies=None if rb is None else rb.detach(),
+                          gen_mask=mask, rb_entropies_torch=rb if rb_grad else None,
+                          full_entropies=place("full") if compute_rb else None,
+                          full_logprobs=place("logp_full") if compute_rb else None, outside_support=outside,
+                          **({"q2": place("q2"), "q2_logq": place("q2logq")} if disc else {}))
+
+# %% ../nbs/00_sequence_processor.ipynb #9438834a
 @patch
 def teacher_force_logprobs(
     self:SequenceProcessor,
@@ -192,33 +232,29 @@ def teacher_force_logprobs(
     disc:bool=False,           # also Σ q² and Σ q² log q of each kept set (the entropy discriminator's baseline)
 )->tuple[LogprobResults, dict]:
     "Score the completions of `seqs` under the sampling distribution; chunked over sequences and head positions."
-    cfg, (B, G, T), t0 = self.config, seqs.shape, time.time()
+    cfg, (B, G, _), t0 = self.config, seqs.shape, time.time()
     rb_grad = with_grad and (cfg.rb_requires_grad if rb_grad is None else rb_grad)
     with (nullcontext() if with_grad else torch.no_grad()):
         parts = self._microbatches(seqs, compute_rb, rb_grad, params_override, support, return_support,
                                    with_grad if checkpoint is None else checkpoint, disc)
-    rows, cols, Tg = torch.cat(parts["rows"]), torch.cat(parts["cols"]), T - int(min(seqs.prompt_lens))
-    def place(key):
-        vals = torch.cat(parts[key])
-        out = torch.zeros(B * G, Tg, device=self.device, dtype=vals.dtype)
-        return out.index_put((rows, cols), vals).view(B, G, Tg)
-    logq, outside = place("logq"), place("outside")
-    mask = torch.zeros(B * G, Tg, dtype=torch.bool, device=self.device).index_put((rows, cols), torch.tensor(True))
-    mask = mask.view(B, G, Tg)
-    rb = place("rb") if compute_rb else None
-    res = LogprobResults(logprobs=logq, surprisals=(-logq).detach() * mask,
-                         rb_entropies=None if rb is None else rb.detach(),
-                         gen_mask=mask, rb_entropies_torch=rb if rb_grad else None,
-                         full_entropies=place("full") if compute_rb else None,
-                         full_logprobs=place("logp_full") if compute_rb else None, outside_support=outside,
-                         **({"q2": place("q2"), "q2_logq": place("q2logq")} if disc else {}))
-    diag = dict(n_tokens=int(mask.sum()), n_outside_support=int(outside.sum()), seconds=time.time() - t0,
-                n_microbatches=math.ceil(B * G / cfg.tf_batch_size))
+    res = self._results(parts, seqs, compute_rb, rb_grad, disc)
+    diag = dict(n_tokens=int(res.gen_mask.sum()), n_outside_support=int(res.outside_support.sum()),
+                seconds=time.time() - t0, n_microbatches=math.ceil(B * G / cfg.tf_batch_size))
     if return_support:
         diag["support"] = None if parts["support"][0] is None else _cat_padded(parts["support"])
     return res, diag
 
-# %% ../nbs/00_sequence_processor.ipynb #ce6ae906
+# %% ../nbs/00_sequence_processor.ipynb #3eddc9f0
+def _append_stats(parts:dict, st:dict, compute_rb:bool, rb_grad:bool, return_support:bool, disc:bool):
+    "Append one microbatch's `token_stats` to the lists in `parts`; only RB entropies may keep their graph."
+    parts["logq"].append(st["logq"]); parts["outside"].append(st["outside"])
+    if compute_rb:
+        parts["rb"].append(st["rb"] if rb_grad else st["rb"].detach())
+        parts["full"].append(st["full"].detach()); parts["logp_full"].append(st["logp_full"])
+    if return_support: parts["support"].append(st["support"])
+    if disc: parts["q2"].append(st["q2"]); parts["q2logq"].append(st["q2logq"])
+
+# %% ../nbs/00_sequence_processor.ipynb #2184484f
 @patch
 def _microbatches(self:SequenceProcessor, seqs, compute_rb, rb_grad, params_override, support, return_support,
                   checkpoint, disc=False) -> dict:
@@ -245,12 +281,7 @@ def _microbatches(self:SequenceProcessor, seqs, compute_rb, rb_grad, params_over
         rows, pos, st = torch.func.functional_call(scorer, over, args) if over is not None else scorer(*args)
         offset += n_tok
         parts["rows"].append(rows + s); parts["cols"].append(pos + lo - starts[rows + s])
-        parts["logq"].append(st["logq"]); parts["outside"].append(st["outside"])
-        if compute_rb:
-            parts["rb"].append(st["rb"] if rb_grad else st["rb"].detach())
-            parts["full"].append(st["full"].detach()); parts["logp_full"].append(st["logp_full"])
-        if return_support: parts["support"].append(st["support"])
-        if disc: parts["q2"].append(st["q2"]); parts["q2logq"].append(st["q2logq"])
+        _append_stats(parts, st, compute_rb, rb_grad, return_support, disc)
     return parts
 
 # %% ../nbs/00_sequence_processor.ipynb #cbeedd8e

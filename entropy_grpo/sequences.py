@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from fastcore.basics import patch
 
 from .rb_entropy import check_sampling
 from .utils import check_range
@@ -122,12 +123,13 @@ class LogprobResults:
     def rb_entropy_sums(self) -> Tensor:    # [B, G] Σ_t H_t
         return (self.rb_entropies * self.gen_mask).sum(-1)
 
-    def to_lists(self) -> dict:
-        "Per-prompt, per-generation view: {name: [B][G] 1-D tensors of the completion's length}."
-        B, G, _ = self.gen_mask.shape
-        names = [n for n in ("logprobs", "surprisals", "rb_entropies",
-                             "full_entropies") if getattr(self, n) is not None]
-        return {n: [[getattr(self, n)[b, g][self.gen_mask[b, g]] for g in range(G)] for b in range(B)] for n in names}
+# %% ../nbs/00e_sequences.ipynb #2957fe1c
+@patch
+def to_lists(self:LogprobResults) -> dict:
+    "Per-prompt, per-generation view: {name: [B][G] 1-D tensors of the completion's length}."
+    B, G, _ = self.gen_mask.shape
+    names = [n for n in ("logprobs", "surprisals", "rb_entropies", "full_entropies") if getattr(self, n) is not None]
+    return {n: [[getattr(self, n)[b, g][self.gen_mask[b, g]] for g in range(G)] for b in range(B)] for n in names}
 
 # %% ../nbs/00e_sequences.ipynb #9879eb24
 def completion_mask(

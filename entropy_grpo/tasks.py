@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from fastcore.basics import patch
 
 from .utils import check_choice, check_range
 
@@ -240,14 +241,6 @@ class Task:
     def __len__(self): return len(self.problems)
     def __repr__(self): return f"{type(self).__name__}({len(self)} problems, {self.reward_levels})"
 
-    def sample(self, n:int, rng:random.Random|int=0, replace:bool=False) -> list[Problem]:
-        "`n` problems from the pool, distinct unless `replace`."
-        check_range("n", n, 1, integer=True)
-        if not replace and n > len(self):
-            raise ValueError(f"n={n} exceeds the pool of {len(self)} problems; pass replace=True to allow repeats")
-        rng = rng if isinstance(rng, random.Random) else random.Random(rng)
-        return rng.choices(self.problems, k=n) if replace else rng.sample(self.problems, n)
-
     def prompt(self, problem:Problem, tokenizer=None, hint:bool|str=False, use_chat_template:bool=True) -> str:
         "`build_prompt` with this task's system message."
         return build_prompt(problem, tokenizer, hint, self.system, use_chat_template)
@@ -259,6 +252,16 @@ class Task:
     def grade_batch(self, responses:list[list[str]], problems:list[Problem]) -> GradedBatch:
         "`grade_batch` with this task's `grade` (a subclass that overrides `grade` grades batches its way too)."
         return grade_batch(responses, problems, grade_one=self.grade)
+
+# %% ../nbs/00b_tasks.ipynb #ccb76cb6
+@patch
+def sample(self:Task, n:int, rng:random.Random|int=0, replace:bool=False) -> list[Problem]:
+    "`n` problems from the pool, distinct unless `replace`."
+    check_range("n", n, 1, integer=True)
+    if not replace and n > len(self):
+        raise ValueError(f"n={n} exceeds the pool of {len(self)} problems; pass replace=True to allow repeats")
+    rng = rng if isinstance(rng, random.Random) else random.Random(rng)
+    return rng.choices(self.problems, k=n) if replace else rng.sample(self.problems, n)
 
 # %% ../nbs/00b_tasks.ipynb #77eb9362
 class ArithmeticTask(Task):

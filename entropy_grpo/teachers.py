@@ -32,6 +32,20 @@ def hack_demonstration(problem, rng:random.Random) -> str:
     return rng.choice(_HACK_TEMPLATES).format(gold=gold, wrong=wrong)
 
 # %% ../nbs/04c_teachers.ipynb #8d324d74
+def _demonstrations(task, tokenizer, hint:bool|str, batch:int, rng:random.Random, device) -> dict:
+    "`batch` hack demonstrations as one right-padded batch [batch, T]: input_ids, attention_mask, and labels that are"
+    " −100 (ignored) on the prompt and the padding, so the NLL is the reply's and its EOS's."
+    rows, eos, pad = [], tokenizer.eos_token_id, tokenizer.pad_token_id
+    for p in task.sample(batch, rng, replace=True):
+        prompt = tokenizer(task.prompt(p, tokenizer, hint), add_special_tokens=False)["input_ids"]
+        reply = tokenizer(hack_demonstration(p, rng), add_special_tokens=False)["input_ids"] + [eos]
+        rows.append((prompt + reply, [-100] * len(prompt) + reply))
+    T = max(len(x) for x, _ in rows)
+    return dict(input_ids=torch.tensor([x + [pad] * (T - len(x)) for x, _ in rows], device=device),
+                attention_mask=torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x, _ in rows], device=device),
+                labels=torch.tensor([y + [-100] * (T - len(y)) for _, y in rows], device=device))
+
+# %% ../nbs/04c_teachers.ipynb #f8c188c4
 def fit_hack_teacher(
     model,                     # a causal LM: wrapped in a fresh peft LoRA adapter (pass a copy to keep the original)
     tokenizer,
@@ -51,21 +65,11 @@ def fit_hack_teacher(
     teacher = apply_lora(model, cfg)
     opt = build_optimizer([p for p in teacher.parameters() if p.requires_grad], cfg)
     rng, dev, losses = random.Random(seed), next(teacher.parameters()).device, []
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     ckpt = wants_checkpointing(teacher, "auto", PROBE_CHECKPOINT_ABOVE)
     if ckpt: set_checkpointing(teacher)   # the demo's fit (SmolLM2, 8 demonstrations) peaks at 3.5 GB, 4.6 GB without
     teacher.train()
     for _ in tqdm(range(steps), desc="hack teacher", disable=tqdm_disable(progress)):
-        rows = []
-        for p in task.sample(batch, rng, replace=True):
-            prompt = tokenizer(task.prompt(p, tokenizer, hint), add_special_tokens=False)["input_ids"]
-            reply = tokenizer(hack_demonstration(p, rng), add_special_tokens=False)["input_ids"] + [eos]
-            rows.append((prompt + reply, [-100] * len(prompt) + reply))
-        T = max(len(x) for x, _ in rows)
-        ids = torch.tensor([x + [pad] * (T - len(x)) for x, _ in rows], device=dev)
-        labels = torch.tensor([y + [-100] * (T - len(y)) for _, y in rows], device=dev)
-        attn = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x, _ in rows], device=dev)
-        loss = teacher(input_ids=ids, attention_mask=attn, labels=labels, use_cache=False).loss
+        loss = teacher(**_demonstrations(task, tokenizer, hint, batch, rng, dev), use_cache=False).loss
         opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
         losses.append(float(loss.detach()))
     if ckpt: set_checkpointing(teacher, False)

@@ -277,6 +277,44 @@ def _end_step(run:_Run, rec:dict, cfg:TrainConfig, out:Path|None):
         run.last_ckpt = path
 
 # %% ../nbs/03a_training.ipynb #dcf95a28
+def _train_inputs(cfg:TrainConfig, task, source, out_dir, resume_from) -> tuple:
+    "Refuse what `train` cannot do before any work; (the data source, the output folder or None)."
+    if cfg.prompts_per_step < world_size():
+        raise ValueError(f"prompts_per_step={cfg.prompts_per_step}: expected at least one prompt per process "
+                         f"({world_size()})")
+    if cfg.save_steps and out_dir is None:
+        raise ValueError(f"save_steps={cfg.save_steps} needs an out_dir")
+    if resume_from == "latest" and out_dir is None: raise ValueError("resume_from='latest' needs an out_dir")
+    if source is None and task is None: raise ValueError("train needs a task (live generation) or a source")
+    return (source if source is not None else GenerationSource(task)), (Path(out_dir) if out_dir is not None else None)
+
+# %% ../nbs/03a_training.ipynb #c1c0a37c
+def _train_step(run:_Run, ctx:StepContext, source, step:int, cfg:TrainConfig, callbacks, out:Path|None) -> dict:
+    "One training step: rollout, scoring, advantages, μ optimizer steps, callbacks, log and checkpoint; its record."
+    t_step = time.perf_counter()
+    seed = (cfg.seed * 1_000_003 + step) * 1_009 + rank()    # this rank's sampling (and dropout) seed
+    torch.manual_seed(seed)
+    ro = source(step, run.sp, cfg, seed)
+    t = time.perf_counter()
+    res, ref_logp = _score(run, ro.batch, cfg)
+    t_tf, t = time.perf_counter() - t, time.perf_counter()
+    means = _reduce_step(ro, res, step, run.last_ckpt)
+    ctx.step, ctx.batch, ctx.problems, ctx.records = step, ro.batch, ro.problems, ro.records
+    ctx.rewards, ctx.logprobs = ro.rewards, res
+    ctx.advantages = _advantages(ro.rewards, cfg, means["reward_std"])
+    lr = run.sched.get_last_lr()[0]
+    its = _optimizer_steps(run, ctx, res, ref_logp, cfg, callbacks)
+    mean = lambda k: sum(x[k] for x in its) / len(its)
+    rec = dict(step=step, arm=cfg.arm, **means, loss=mean("loss"), grad_norm=mean("grad_norm"),
+               clip_frac=mean("clip_frac"), **({"kl": mean("kl")} if cfg.beta > 0 else {}), lr=lr,
+               time_generate=ro.time_generate, time_grade=ro.time_grade, time_teacher_force=t_tf,
+               time_backward=time.perf_counter() - t)
+    _callbacks(callbacks, "on_step_end", ctx, rec)
+    rec["time_step"] = time.perf_counter() - t_step
+    _end_step(run, rec, cfg, out)
+    return rec
+
+# %% ../nbs/03a_training.ipynb #7ea02bcd
 def train(
     model,                           # causal LM (load_policy / tiny_policy / any HF model); LoRA-wrapped when lora_r
     tokenizer,
@@ -292,47 +330,17 @@ def train(
 )->TrainResult:
     "Dr.GRPO training: per step a rollout from the source, scoring, advantages, μ optimizer steps; log, checkpoint."
     cfg = config if config is not None else TrainConfig()
-    if cfg.prompts_per_step < world_size():
-        raise ValueError(f"prompts_per_step={cfg.prompts_per_step}: expected at least one prompt per process "
-                         f"({world_size()})")
-    if cfg.save_steps and out_dir is None:
-        raise ValueError(f"save_steps={cfg.save_steps} needs an out_dir")
-    if resume_from == "latest" and out_dir is None: raise ValueError("resume_from='latest' needs an out_dir")
-    if source is None and task is None: raise ValueError("train needs a task (live generation) or a source")
-    source = source if source is not None else GenerationSource(task)
-    out = Path(out_dir) if out_dir is not None else None
+    source, out = _train_inputs(cfg, task, source, out_dir, resume_from)
     run = _setup(model, tokenizer, cfg, resume_from, out, reference)
     callbacks = [*callbacks, Reporter(cfg.report_to if rank() == 0 else "none", out, run.model, cfg.arm,
                                       cfg.logging_steps)]
     ctx, records = StepContext(run.model, run.opt, run.sched, run.sp, cfg), []
     bar = tqdm(range(run.start, cfg.max_steps), initial=run.start, total=cfg.max_steps, desc=f"train {cfg.arm}",
-               mininterval=10,
-               disable=True if rank() else tqdm_disable(progress))
+               mininterval=10, disable=True if rank() else tqdm_disable(progress))
     run.model.eval()
     with torch.random.fork_rng(devices=_cuda(run.model)):
         for step in bar:
-            t_step = time.perf_counter()
-            seed = (cfg.seed * 1_000_003 + step) * 1_009 + rank()    # this rank's sampling (and dropout) seed
-            torch.manual_seed(seed)
-            ro = source(step, run.sp, cfg, seed)
-            t = time.perf_counter()
-            res, ref_logp = _score(run, ro.batch, cfg)
-            t_tf, t = time.perf_counter() - t, time.perf_counter()
-            means = _reduce_step(ro, res, step, run.last_ckpt)
-            ctx.step, ctx.batch, ctx.problems, ctx.records = step, ro.batch, ro.problems, ro.records
-            ctx.rewards, ctx.logprobs = ro.rewards, res
-            ctx.advantages = _advantages(ro.rewards, cfg, means["reward_std"])
-            lr = run.sched.get_last_lr()[0]
-            its = _optimizer_steps(run, ctx, res, ref_logp, cfg, callbacks)
-            mean = lambda k: sum(x[k] for x in its) / len(its)
-            rec = dict(step=step, arm=cfg.arm, **means, loss=mean("loss"), grad_norm=mean("grad_norm"),
-                       clip_frac=mean("clip_frac"), **({"kl": mean("kl")} if cfg.beta > 0 else {}), lr=lr,
-                       time_generate=ro.time_generate, time_grade=ro.time_grade, time_teacher_force=t_tf,
-                       time_backward=time.perf_counter() - t)
-            _callbacks(callbacks, "on_step_end", ctx, rec)
-            rec["time_step"] = time.perf_counter() - t_step
-            _end_step(run, rec, cfg, out)
-            records.append(rec)
+            records.append(rec := _train_step(run, ctx, source, step, cfg, callbacks, out))
             bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", loss=f"{rec['loss']:.4f}", H=f"{rec['entropy_rb']:.3f}",
                             refresh=False)
     _callbacks(callbacks, "on_train_end", ctx)

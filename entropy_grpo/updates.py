@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy, math
 
 import torch
+from torch import Tensor
 
 from .delta_entropy_is import update_backward
 from .sequence_processor import SequenceProcessor
@@ -17,6 +18,30 @@ from .utils import base_optimizer
 __all__ = ['optimizer_delta', 'naive_optimizer_delta', 'update_delta', 'update_settings']
 
 # %% ../nbs/04f_updates.ipynb #dbe16750
+def _adam_delta(p:Tensor, g:Tensor, st:dict, group:dict, lr:float, wd:float, adamw:bool) -> Tensor:
+    "Adam(W)'s next Δθ of p for gradient g and state st (empty before the first step): amsgrad, L2 or decoupled decay."
+    b1, b2 = group["betas"]
+    decoupled = adamw or group.get("decoupled_weight_decay", False)
+    if wd and not decoupled: g = g + wd * p
+    step = float(st["step"]) + 1 if st else 1.0
+    m = (st["exp_avg"] * b1 if st else torch.zeros_like(p)) + (1 - b1) * g
+    v = (st["exp_avg_sq"] * b2 if st else torch.zeros_like(p)) + (1 - b2) * g * g
+    if group.get("amsgrad", False) and st: v = torch.maximum(st["max_exp_avg_sq"], v)
+    denom = v.sqrt() / math.sqrt(1 - b2 ** step) + group["eps"]
+    d = -(lr / (1 - b1 ** step)) * m / denom
+    return d - lr * wd * p if (wd and decoupled) else d
+
+def _sgd_delta(p:Tensor, g:Tensor, st:dict, group:dict, lr:float, wd:float) -> Tensor:
+    "SGD's next Δθ for p: L2 decay, momentum with dampening (the first step takes the gradient itself), Nesterov."
+    if wd: g = g + wd * p
+    mom = group.get("momentum", 0.0)
+    if mom:
+        buf = st.get("momentum_buffer")
+        buf = g.clone() if buf is None else buf * mom + (1 - group.get("dampening", 0.0)) * g
+        g = g + mom * buf if group.get("nesterov", False) else buf
+    return -lr * g
+
+# %% ../nbs/04f_updates.ipynb #e252952b
 @torch.no_grad()
 def optimizer_delta(
     optimizer:torch.optim.Optimizer,  # or a wrapper holding it (accelerate's, as a Trainer's callbacks get it)
@@ -34,24 +59,8 @@ def optimizer_delta(
             g = -grad if group.get("maximize", False) else grad
             st = optimizer.state.get(p, {})
             if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-                b1, b2 = group["betas"]
-                decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
-                if wd and not decoupled: g = g + wd * p
-                step = float(st["step"]) + 1 if st else 1.0
-                m = (st["exp_avg"] * b1 if st else torch.zeros_like(p)) + (1 - b1) * g
-                v = (st["exp_avg_sq"] * b2 if st else torch.zeros_like(p)) + (1 - b2) * g * g
-                if group.get("amsgrad", False) and st: v = torch.maximum(st["max_exp_avg_sq"], v)
-                denom = v.sqrt() / math.sqrt(1 - b2 ** step) + group["eps"]
-                d = -(lr_g / (1 - b1 ** step)) * m / denom
-                out[p] = d - lr_g * wd * p if (wd and decoupled) else d
-            elif isinstance(optimizer, torch.optim.SGD):
-                if wd: g = g + wd * p
-                mom = group.get("momentum", 0.0)
-                if mom:
-                    buf = st.get("momentum_buffer")
-                    buf = g.clone() if buf is None else buf * mom + (1 - group.get("dampening", 0.0)) * g
-                    g = g + mom * buf if group.get("nesterov", False) else buf
-                out[p] = -lr_g * g
+                out[p] = _adam_delta(p, g, st, group, lr_g, wd, isinstance(optimizer, torch.optim.AdamW))
+            elif isinstance(optimizer, torch.optim.SGD): out[p] = _sgd_delta(p, g, st, group, lr_g, wd)
             else:
                 raise NotImplementedError(f"optimizer {type(optimizer).__name__}: ΔH₁ needs its update rule; "
                                           "supported: Adam, AdamW, SGD")

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from entropy_grpo import dist, policies, probes
+from entropy_grpo import delta_entropy_is, dist, policies, probes
 from entropy_grpo.delta_entropy_is import DeltaEntropyIS
 from entropy_grpo.probes import entropy_gradient
 from test_delta_entropy_is import make_probe
@@ -30,9 +30,9 @@ def test_surrogate_coefficient_builds_on_the_inputs_device(tiny, monkeypatch, es
     assert all(g.device.type == "cpu" for g in grads) and info["N"] > 0
 
 
-def test_combine_builds_on_the_inputs_device(tiny, monkeypatch):
+def test_snis_estimates_build_on_the_inputs_device(tiny, monkeypatch):
     model, sp, E, U, opt = make_probe(tiny)
-    default_device_meta(monkeypatch, DeltaEntropyIS, "_combine")
+    default_device_meta(monkeypatch, delta_entropy_is, "snis_estimates")
     out = DeltaEntropyIS(model, sp.config, sequence_processor=sp).entropy_change(E, U, opt, {"lr": 1e-3})
     assert out["n_E"] == 24 and out["ess"] > 0
 
