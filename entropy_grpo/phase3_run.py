@@ -20,7 +20,7 @@ from .pairs import pool_pairs
 from .projection_arms import ARM_ADAPTER, ARMS, V_HACK_SOURCES, ProjectionArm, extract_v_hack
 from .reports import git_sha
 from .sequence_processor import GenerationConfig, SequenceProcessor
-from .tasks import ArithmeticTask
+from .tasks import load_task
 from .teachers import check_style_pool
 from .training import TrainConfig, train
 from .utils import TemplateConfig, check_choice, check_range, save_figure, write_json
@@ -38,6 +38,9 @@ PRESETS = {
                       lora_r=16, gen_batch_size=64),
     "full":      dict(model="Qwen/Qwen3-4B", problems=992, prompts_per_step=43, G=6, max_new_tokens=512, lr=7e-5,
                       beta=1e-3, lora_r=64, gen_batch_size=258),   # one generate call: KV 25 GB
+    "leak":      dict(model="default", problems=992, prompts_per_step=4, G=8, max_new_tokens=24, lr=3e-2, beta=0.0,
+                      lora_r=16, lora_lr=1e-3, gen_batch_size=64, task="entropy_grpo.hackbed:ReferenceLeakTask",
+                      hint=False),   # the real-model hack bed: ~48 s a step on one core
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]   # the modules the arms' adapters wrap
 
@@ -48,14 +51,15 @@ class Phase3Config(TemplateConfig):
     seed:int=0
     arm:str="vanilla"              # "vanilla" | "projected" (δS) | "vanilla_lora" | "projected_lora" (LoRA)
     steps:int=200
-    preset:str="smoke"             # "smoke" | "truth" | "cpu-small" | "full"
+    preset:str="smoke"             # "smoke" | "truth" | "cpu-small" | "full" | "leak"
     model:str=""                   # empty: the preset's model; "default" (SmolLM2), "tiny", a hub name or a path
+    task:str=""                    # empty: the preset's ("arithmetic" unless it names one); "package.module:Name", a .jsonl
     teacher_pool:str=""            # pool directories for v_hack (required by the projected arms)
     base_pool:str=""
     style_pool:str=""              # the style-matched pool (the teacher without the hint): v_hack's clean side
     k:int=1                        # v_hack directions per module
     v_hack_source:str="pairs"      # "pairs"; the controls: "random" (a random direction), "permuted" (labels shuffled)
-    hint:bool=True                 # prompts carry the lenient-grader hint: the policy can discover the hack
+    hint:bool|None=None            # prompts carry the task's hint; None: the preset's (True but for `leak`)
     prompts_per_microbatch:int=0   # prompts per backward (x G sequences); 0: tf_batch_size // G
     gradient_checkpointing:str="auto"  # "auto": on above 1 B parameters; True / False force it
     out_dir:str="runs/phase3/0-vanilla"
@@ -69,8 +73,10 @@ class Phase3Config(TemplateConfig):
 # %% ../nbs/06d_phase3_run.ipynb #70f735fc
 @patch
 def _check(self:Phase3Config):
-    "Every field in range, every choice known, the pools a projected arm needs given."
+    "Every field in range, every choice known, the pools a projected arm needs; the preset's task and hint filled in."
     check_choice("preset", self.preset, tuple(PRESETS))
+    if not self.task: self.task = self.sizes.get("task", "arithmetic")
+    if self.hint is None: self.hint = self.sizes.get("hint", True)
     check_choice("arm", self.arm, ARMS)
     for name in ("steps", "k"): check_range(name, getattr(self, name), 1, integer=True)
     check_choice("v_hack_source", self.v_hack_source, V_HACK_SOURCES)
@@ -85,14 +91,14 @@ def _check(self:Phase3Config):
 # %% ../nbs/06d_phase3_run.ipynb #392182b3
 class Phase3Run:
     "One Phase-3 (seed, arm) run: the policy, the task and what each phase leaves for the next."
-    def __init__(self, cfg:Phase3Config, task=None):   # task: a Task (default: the preset's arithmetic problems)
+    def __init__(self, cfg:Phase3Config, task=None):   # task: a Task (default: `load_task(cfg.task)`)
         self.cfg, self.out, self.t0 = cfg, Path(cfg.out_dir), time.perf_counter()
         self.main = not init_distributed() or rank() == 0   # one process per GPU: rank 0 alone writes files
         self.out.mkdir(parents=True, exist_ok=True)
         s = cfg.sizes
         torch.manual_seed(cfg.seed)
         self.policy, self.tok = policy_by_name(cfg.model_name, cfg.seed)
-        self.task = task if task is not None else ArithmeticTask(n=s["problems"], seed=cfg.seed)
+        self.task = task if task is not None else load_task(cfg.task, defaults=dict(n=s["problems"], seed=cfg.seed))
         self.gen = GenerationConfig(max_new_tokens=s["max_new_tokens"], num_generations=s["G"],
                                     gen_batch_size=s["gen_batch_size"])
         self.callbacks, self.v_info, self.v_hack = [], {}, None
@@ -108,7 +114,8 @@ class Phase3Run:
     def train_config(self) -> TrainConfig:
         c, s = self.cfg, self.cfg.sizes
         return TrainConfig(max_steps=c.steps, prompts_per_step=s["prompts_per_step"], num_generations=s["G"],
-                           learning_rate=s["lr"], beta=s["beta"], hint=c.hint, seed=c.seed, arm=c.arm,
+                           learning_rate=s.get("lora_lr", s["lr"]) if self.adapter.kind == "lora" else s["lr"],
+                           beta=s["beta"], hint=c.hint, seed=c.seed, arm=c.arm,
                            save_steps=max(1, c.steps // 4), generation=self.gen,
                            prompts_per_microbatch=c.prompts_per_microbatch or None,
                            gradient_checkpointing=c.gradient_checkpointing)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00b_tasks.ipynb #1067d943
 from __future__ import annotations
-import json, random, re, threading, warnings
+import importlib, inspect, json, random, re, threading, warnings
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -19,7 +19,7 @@ from .utils import check_choice, check_range
 __all__ = ['OPS', 'INSTRUCTION', 'HINT', 'LEAKY_HINT', 'Problem', 'make_arithmetic_problems', 'build_prompt', 'extract_answer',
            'to_number', 'numbers_in', 'number_equal', 'math_equal', 'lenient_match', 'RewardLevels', 'grade',
            'GradedBatch', 'grade_batch', 'parse_answer', 'load_jsonl_problems', 'Task', 'ArithmeticTask', 'DigitTask',
-           'JsonlTask']
+           'JsonlTask', 'load_task']
 
 # %% ../nbs/00b_tasks.ipynb #00686507
 @dataclass(frozen=True)
@@ -284,3 +284,35 @@ class JsonlTask(Task):
                  reward_levels:RewardLevels|None=None, system:str|None=None):
         super().__init__(load_jsonl_problems(path, question_key, answer_key, on_error), math_equal, reward_levels,
                          system)
+
+# %% ../nbs/00b_tasks.ipynb #a65d179a
+def load_task(
+    spec:str="",      # "" / "arithmetic", "package.module:Name" (a Task class or factory) or "path.jsonl"
+    *,
+    defaults:dict|None=None,  # the run's settings (n, seed, …): passed where the task's signature takes them
+    **kwargs,         # passed always (a TypeError from the task says which one it refuses)
+) -> Task:
+    "The task a run names by `spec`: the arithmetic task, a class or factory by import path, or a JSONL file."
+    spec = spec.strip()
+    if spec.endswith(".jsonl"): return JsonlTask(spec, **kwargs)
+    factory = ArithmeticTask if spec in ("", "arithmetic") else _import_task(spec)
+    params = inspect.signature(factory).parameters
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    given = {k: v for k, v in (defaults or {}).items() if takes_all or k in params}
+    task = factory(**{**given, **kwargs})
+    if not all(callable(getattr(task, m, None)) for m in ("sample", "prompt", "grade_batch")):
+        raise TypeError(f"task {spec!r} returned {type(task).__name__}: expected a Task (sample, prompt, grade_batch)")
+    return task
+
+# %% ../nbs/00b_tasks.ipynb #f66fc064
+def _import_task(spec:str):
+    "The object `spec` = 'package.module:Name' names; a ValueError saying which part is missing."
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"task={spec!r}: expected '', 'arithmetic', 'package.module:Name' or a path ending in .jsonl")
+    try: mod = importlib.import_module(module)
+    except ImportError as e: raise ValueError(f"task={spec!r}: cannot import module {module!r} ({e})") from e
+    if not hasattr(mod, name):
+        raise ValueError(f"task={spec!r}: module {module!r} has no {name!r} (it defines "
+                         f"{sorted(n for n in vars(mod) if not n.startswith('_'))[:12]})")
+    return getattr(mod, name)
