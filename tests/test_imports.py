@@ -12,7 +12,7 @@ LAYERS = [("utils", "dist", "kept_sets", "report_to"), ("policies", "tasks", "rb
           ("probes", "pools", "on_policy"),
           ("contributions", "decision", "trl_callback", "teachers", "scorecard"),
           ("phase2", "reports"), ("phase2_run", "phase3_run"), ("calibration", "plan"), ("experiments", "truth"),
-          ("cli",)]
+          ("bed_record",), ("cli",)]
 LAYER = {m: i for i, ms in enumerate(LAYERS) for m in ms}
 MODULES = sorted(p.stem for p in PKG.glob("*.py") if not p.stem.startswith("_"))
 
