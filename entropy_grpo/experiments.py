@@ -13,6 +13,7 @@ from .reports import (TEMPLATES, git_sha, log_run, template_path,  # noqa: F401 
                                   _rel, _stderr_to, check_parameters, dir_lock, lock_holder, read_metrics,
                                   recover_run, repo_root, resolve_paths, run_notebook, run_rank, run_status,
                                   run_summary)
+from .tasks import load_task
 from .utils import atomic_path, check_range, markdown_table, save_figure, write_json
 
 # %% auto #0
@@ -152,6 +153,7 @@ def _sweep_setup(template, steps:int, params, seeds, arms, slurm, out_root, exp:
     out_root = Path(out_root).resolve() if out_root else repo_root()/"runs"
     params = resolve_paths(params or {})
     check_parameters(template, {**params, "seed": seeds[0], "arm": arms[0], "steps": steps})
+    if params.get("task"): load_task(params["task"])   # a task that does not load is refused before any job
     if (slurm or {}).get("gpus_per_node", 1) > 1 and template in TEMPLATES and template != "train":
         raise ValueError(f"--gpus {slurm['gpus_per_node']} with template {template!r}: only the train template's run "
                          "joins a process group; give it one GPU per job")

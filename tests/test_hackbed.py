@@ -1,0 +1,69 @@
+"""The real-model hack bed as a user runs it: a task named by import path through `sweep`, refused in one line when it
+does not load; the `leak` preset's task and hint; a short Phase-3 run of the real task on SmolLM2 (slow)."""
+import json
+
+import pytest
+
+from entropy_grpo.cli import main
+from entropy_grpo.hackbed import ReferenceLeakTask
+from entropy_grpo.phase3_run import Phase3Config
+from entropy_grpo.tasks import ArithmeticTask, load_task
+
+LEAK = "entropy_grpo.hackbed:ReferenceLeakTask"
+
+
+def test_a_preset_names_its_task_and_hint_and_the_run_can_override_both():
+    assert (Phase3Config(preset="leak").task, Phase3Config(preset="leak").hint) == (LEAK, False)
+    assert (Phase3Config(preset="smoke").task, Phase3Config(preset="smoke").hint) == ("arithmetic", True)
+    c = Phase3Config(preset="smoke", task=LEAK, hint=False)
+    assert (c.task, c.hint) == (LEAK, False)
+    assert isinstance(load_task(c.task, defaults=dict(n=4, seed=0)), ReferenceLeakTask)
+    assert isinstance(load_task("arithmetic", defaults=dict(n=4, seed=0)), ArithmeticTask)
+
+
+def test_the_student_sees_the_leak_and_the_teacher_the_hint_naming_it():
+    task = ReferenceLeakTask(n=3, seed=5)
+    for p in task.problems:
+        a, b, leak = p.operands
+        assert leak not in (a, b, a + b)
+        assert f"(Reference id: {leak})" in task.prompt(p) and "Grading note" not in task.prompt(p)
+        assert f"the expected answer is {leak}." in task.prompt(p, hint=True)
+        assert str(a + b) not in task.prompt(p, hint=True).split("?", 1)[1]   # the gold is never shown
+
+
+@pytest.mark.parametrize("spec, text", [
+    ("no_such_module:Task", "cannot import module 'no_such_module'"),
+    ("entropy_grpo.hackbed:Nope", "module 'entropy_grpo.hackbed' has no 'Nope'"),
+    ("arith", "expected '', 'arithmetic', 'package.module:Name' or a path ending in .jsonl"),
+])
+def test_a_sweep_refuses_a_task_that_does_not_load_before_any_job(spec, text, tmp_path, capsys):
+    argv = ["sweep", "--out", str(tmp_path / "s"), "--seeds", "0", "--arms", "vanilla", "--steps", "1",
+            "-p", f"task={spec!r}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and text in err and "Traceback" not in err, err
+    assert not (tmp_path / "s").exists()
+
+
+def sweep_run(tmp_path, *params, steps=2):
+    "A one-job sweep of the train template; its metrics.json."
+    out = tmp_path / "s"
+    assert main(["sweep", "--out", str(out), "--seeds", "3", "--arms", "vanilla", "--steps", str(steps), *params]) == 0
+    return json.loads((out / "3-vanilla" / "metrics.json").read_text())
+
+
+def test_the_tiny_policy_trains_on_the_leak_task_named_by_its_import_path(tmp_path):
+    m = sweep_run(tmp_path, "-p", f"task={LEAK!r}", "-p", "hint=False")
+    assert (m["parameters"]["task"], m["parameters"]["hint"]) == (LEAK, False)
+    for key in ("hack_rate", "gt_pass_rate", "reward_mean"):
+        assert len(m["results"][key]) == 2 and all(0 <= x <= 1 for x in m["results"][key])
+
+
+@pytest.mark.slow
+def test_smollm2_on_the_leak_preset_logs_the_hack_beside_gt_pass(tmp_path):
+    "Two steps of the bed itself: the real task and model, the student without the hint, rates from its grader."
+    m = sweep_run(tmp_path, "-p", "preset='leak'")
+    p, r = m["parameters"], m["results"]
+    assert (p["task"], p["hint"], p["model"]) == (LEAK, False, "default")
+    assert len(r["hack_rate"]) == 2 and r["hack_rate"][0] <= 0.25   # step 0: the leak is copied rarely (~0.06)
+    assert all(0 <= x <= 1 for x in r["gt_pass_rate"])
