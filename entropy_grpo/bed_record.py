@@ -13,7 +13,8 @@ from .truth import t_interval
 from .utils import check_range
 
 # %% auto #0
-__all__ = ['bed_curves', 'last_fifth', 'pilot_table', 'paired_power', 'seeds_needed', 'paired_effect', 'bed_figure']
+__all__ = ['bed_curves', 'last_fifth', 'pilot_table', 'paired_power', 'seeds_needed', 'seeds_by_rule', 'paired_effect',
+           'bed_figure', 'record_pilot']
 
 # %% ../nbs/06g_bed_record.ipynb #ae7b193a
 def bed_curves(sweep_dir:str|Path) -> dict:
@@ -66,6 +67,23 @@ def seeds_needed(sd:float, effect:float, alpha:float=0.05, power:float=0.80, mos
         if n > most: raise ValueError(f"more than {most} seeds needed for effect={effect} at sd={sd}")
     return n
 
+# %% ../nbs/06g_bed_record.ipynb #243afe57
+def seeds_by_rule(
+    endpoints:list[float],  # the pilot's vanilla endpoints, one per seed
+    effect:float=0.10,      # the smallest effect that counts
+    alpha:float=0.05, power:float=0.80,
+    floor:float=0.10,       # the least sd of a paired difference
+    least:int=10, most:int=30,
+) -> dict:                  # sd_pilot, sd_difference, n, power_at_n, capped
+    "Seeds per arm from the pilot: the protocol's rule (sd √2 × the pilot's, floored; between `least` and `most`)."
+    if len(endpoints) < 2: raise ValueError(f"{len(endpoints)} pilot endpoint(s): expected at least 2 for a spread")
+    sd_pilot = float(np.std(endpoints, ddof=1))
+    sd = max(math.sqrt(2) * sd_pilot, floor)
+    needed = seeds_needed(sd, effect, alpha, power)
+    n = min(max(least, needed), most)
+    return dict(sd_pilot=sd_pilot, sd_difference=sd, needed=needed, n=n, power_at_n=paired_power(n, sd, effect, alpha),
+                capped=needed > most)
+
 # %% ../nbs/06g_bed_record.ipynb #e878721e
 def paired_effect(curves:dict, arm:str, control:str, key:str="hack_rate") -> dict:
     "control − arm endpoints on the seeds both finished: n, mean, 95% interval, sd, the seeds."
@@ -90,3 +108,22 @@ def bed_figure(curves:dict, arms:list|None=None, title:str=""):
         ax.set(xlabel="step", ylabel=key, ylim=(-0.02, 1.02))
     axes[0].legend(fontsize=7); fig.suptitle(title, fontsize=9); fig.tight_layout()
     return fig
+
+# %% ../nbs/06g_bed_record.ipynb #5159a11a
+def record_pilot(
+    sweep_dir:str|Path,     # the pilot's sweep (vanilla jobs)
+    protocol:str|Path,      # protocol.json: its pilot criteria and smallest effect
+) -> dict:                  # what pilot.json holds
+    "The pilot read against the protocol: rows, learned count, pass, seeds by the rule; pilot.json and pilot.png."
+    import matplotlib.pyplot as plt
+    from entropy_grpo.utils import save_figure, write_json
+    proto, sweep_dir = json.loads(Path(protocol).read_text()), Path(sweep_dir)
+    curves = bed_curves(sweep_dir)
+    rows = pilot_table(curves, proto["pilot"]["arm"])
+    learned = sum(r["learned"] for r in rows)
+    out = dict(rows=rows, learned=learned, seeds=len(rows), passes=learned >= 8 and len(rows) == 10,   # 8 of 10
+               rule=seeds_by_rule([r["end"] for r in rows], proto["smallest_effect"], proto["alpha"], proto["power"]))
+    write_json(sweep_dir/"pilot.json", out)
+    fig = bed_figure(curves, title=f"pilot: {learned} of {len(rows)} seeds learn the hack")
+    save_figure(fig, sweep_dir/"pilot.png"); plt.close(fig)
+    return out

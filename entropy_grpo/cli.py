@@ -96,6 +96,8 @@ def _add_pools_command(sub, common):
                     "seed, steps, batch and sampling settings, no hint; --model must be the teacher")
     po.add_argument("--steps", type=int, default=20); po.add_argument("--batch", type=int, default=8)
     po.add_argument("--seed", type=int, default=0); po.add_argument("--max-new-tokens", type=int, default=128)
+    po.add_argument("--task", default="", help="'' (arithmetic), 'package.module:Name' or a .jsonl file (give a "
+                    "style-matched pool its teacher's)")
 
 def cli_parser() -> argparse.ArgumentParser:
     "The `entropy-grpo` command's arguments: one subcommand per job."
@@ -218,7 +220,7 @@ def _cli_pools(a) -> int:
     "`pools`: the directory and the numbers checked, then the policy loaded and the pool built (or extended)."
     from entropy_grpo.policies import policy_by_name
     from entropy_grpo.pools import build_pool
-    from entropy_grpo.tasks import ArithmeticTask
+    from entropy_grpo.tasks import load_task
     from entropy_grpo.teachers import check_style_pool
     out = Path(a.out).resolve()
     if out.exists() and not out.is_dir():
@@ -234,6 +236,6 @@ def _cli_pools(a) -> int:
         raise ValueError(f"--model {a.model!r}: the teacher pool {a.style_of!r} was sampled by "
                          f"{teacher.settings['model']!r}; expected that model (a style pool is the teacher without "
                          "the hint)")
-    pool = build_pool(policy, ArithmeticTask(seed=kw["seed"]), a.hint, out_dir=out, **kw)
+    pool = build_pool(policy, load_task(a.task, defaults=dict(seed=kw["seed"])), a.hint, out_dir=out, **kw)
     if a.style_of: check_style_pool(teacher, pool)
     return 0
