@@ -27,7 +27,7 @@ from .projection_arms import (ARM_ADAPTER, V_HACK_SOURCES, ProjectionArm, comple
                                           extract_v_hack, pair_sequences, pool_pairs, random_v_hack)
 from .reports import git_sha
 from .sequence_processor import GenerationConfig, SequenceProcessor, make_probe_batch
-from .tasks import LEAKY_HINT, ArithmeticTask
+from .tasks import LEAKY_HINT, load_task
 from .teachers import check_style_pool, teacher_and_base_pools
 from .training import LOSS_TYPE_OF, TrainConfig, build_optimizer, train
 from .utils import TemplateConfig, check_choice, check_range, trim_memory, write_json
@@ -55,6 +55,7 @@ class Phase2Config(TemplateConfig):
     teacher_train_steps:int=30     # NLL steps of the hack-teacher LoRA
     teacher_lr:float=3e-3
     teacher_hint:str="plain"       # "plain" (HINT) or "leaky" (LEAKY_HINT: the answer in it, to copy)
+    task:str=""                    # empty: arithmetic (max_value, ops); "package.module:Name" or a .jsonl (give pools)
     max_value:int=99               # operands 1..max_value
     ops:str="+-*"
     max_new_tokens:int=64          # completion budget of the pools, of E and the Dr.GRPO L_max
@@ -113,6 +114,9 @@ def _check(self:Phase2Config):
         raise ValueError(f"teacher_pool={self.teacher_pool!r}, base_pool={self.base_pool!r}, style_pool="
                          f"{self.style_pool!r}: expected teacher and base (and optionally style) pools, or none (build "
                          "them)")
+    if self.task not in ("", "arithmetic") and not self.teacher_pool:
+        raise ValueError(f"task={self.task!r} without pools: build them with `entropy-grpo pools --task {self.task}` "
+                         "(teacher --hint, its --style-of pool, the base) and give teacher_pool and base_pool")
     if not self.teacher_pool and self.steps > self.pool_steps - self.fit_steps:
         raise ValueError(f"steps={self.steps}: each step replays a step file of its own, pool_steps - fit_steps = "
                          f"{self.pool_steps - self.fit_steps} here (expected pool_steps >= steps + fit_steps = "
@@ -138,7 +142,7 @@ class Phase2Run:
         self.timings, self._t = {}, time.perf_counter()
         torch.manual_seed(cfg.seed)
         self.policy, self.tok = policy_by_name(cfg.model, cfg.seed, cfg.dtype)
-        self.task = ArithmeticTask(seed=cfg.seed, max_value=cfg.max_value, ops=cfg.ops)
+        self.task = load_task(cfg.task, defaults=dict(seed=cfg.seed, max_value=cfg.max_value, ops=cfg.ops))
         self.gen = cfg.generation
 
     def _done(self, phase:str):

@@ -67,3 +67,9 @@ def test_smollm2_on_the_leak_preset_logs_the_hack_beside_gt_pass(tmp_path):
     assert (p["task"], p["hint"], p["model"]) == (LEAK, False, "default")
     assert len(r["hack_rate"]) == 2 and r["hack_rate"][0] <= 0.25   # step 0: the leak is copied rarely (~0.06)
     assert all(0 <= x <= 1 for x in r["gt_pass_rate"])
+
+
+def test_phase2_with_a_plugged_in_task_asks_for_pools_built_with_it():
+    from fastcore.test import test_fail
+    from entropy_grpo.phase2_run import Phase2Config
+    test_fail(lambda: Phase2Config(task=LEAK), contains=f"build them with `entropy-grpo pools --task {LEAK}`")
