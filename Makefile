@@ -40,7 +40,7 @@ pytest: setup
 
 test: export-check nbtest pytest
 
-# The runs of record, committed under runs/ (each command re-runs its report; finished calibration jobs are kept; ~15 h
+# The runs of record, committed under runs/ (each command re-runs its report; finished calibration jobs are kept; ~17 h
 # of one CPU core, most of it the calibration: 720 Phase-2 runs × ~15 s, 580 Phase-3 seeds (80 in each of seven
 # worlds: the six whose effect sits near the line and `signal`; 10 in the other two) × ~45 s and their decoy arms × ~18 s):
 # the demo, the Phase-2 decision's calibration, a Phase-1 probe and a small Phase-3 sweep with its summary.
@@ -65,6 +65,13 @@ record: setup
 	    -p preset="'cpu-small'" -p teacher_pool="'$(POOLS)/teacher'" -p base_pool="'$(POOLS)/base'" \
 	    -p style_pool="'$(POOLS)/style'"
 	$(BIN)/entropy-grpo report runs/phase3
+	# the real-model hack bed's pilot (runs/hackbed/PROTOCOL.md): SmolLM2 learning the reference-leak hack, 10 vanilla
+	# seeds of the leak preset, two at a time on one thread each (~17 min a run, ~1.5 h), then the pilot read against
+	# the protocol (pilot.json: seeds learned, seeds per arm by its rule; pilot.png)
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/entropy-grpo sweep --out runs/hackbed/pilot --arms vanilla --steps 16 \
+	    --seeds 100 101 102 103 104 105 106 107 108 109 -p preset="'leak'" --max-parallel 2 --force
+	$(BIN)/python -c "from entropy_grpo.bed_record import record_pilot; \
+	    record_pilot('runs/hackbed/pilot', 'runs/hackbed/protocol.json')"
 
 clean-nbs: setup
 	$(BIN)/nbdev-clean
