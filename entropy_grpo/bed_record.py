@@ -13,8 +13,8 @@ from .truth import t_interval
 from .utils import check_range
 
 # %% auto #0
-__all__ = ['bed_curves', 'last_fifth', 'pilot_table', 'paired_power', 'seeds_needed', 'seeds_by_rule', 'paired_effect',
-           'bed_figure', 'record_pilot']
+__all__ = ['bed_curves', 'last_fifth', 'pilot_table', 'paired_power', 'seeds_needed', 'seeds_by_rule', 'detectable_effect',
+           'paired_effect', 'bed_figure', 'record_pilot']
 
 # %% ../nbs/06g_bed_record.ipynb #ae7b193a
 def bed_curves(sweep_dir:str|Path) -> dict:
@@ -56,7 +56,8 @@ def paired_power(n:int, sd:float, effect:float, alpha:float=0.05) -> float:
     from scipy import stats
     check_range("n", n, 2, integer=True); check_range("sd", sd, 0, lo_open=True)
     crit, nc = stats.t.ppf(1 - alpha / 2, n - 1), abs(effect) * math.sqrt(n) / sd
-    return float(stats.nct.sf(crit, n - 1, nc) + stats.nct.cdf(-crit, n - 1, nc))
+    wrong_side = np.nan_to_num(stats.nct.cdf(-crit, n - 1, nc), nan=0.0)   # scipy: nan where it underflows (nc ≳ 9)
+    return float(stats.nct.sf(crit, n - 1, nc) + wrong_side)
 
 def seeds_needed(sd:float, effect:float, alpha:float=0.05, power:float=0.80, most:int=10_000) -> int:
     "The least number of paired seeds (>= 2) whose t-test detects `effect` with `power` at level `alpha`."
@@ -74,7 +75,7 @@ def seeds_by_rule(
     alpha:float=0.05, power:float=0.80,
     floor:float=0.10,       # the least sd of a paired difference
     least:int=10, most:int=30,
-) -> dict:                  # sd_pilot, sd_difference, n, power_at_n, capped
+) -> dict:                  # sd_pilot, sd_difference, n, power_at_n, capped, detectable_at_n
     "Seeds per arm from the pilot: the protocol's rule (sd √2 × the pilot's, floored; between `least` and `most`)."
     if len(endpoints) < 2: raise ValueError(f"{len(endpoints)} pilot endpoint(s): expected at least 2 for a spread")
     sd_pilot = float(np.std(endpoints, ddof=1))
@@ -82,7 +83,15 @@ def seeds_by_rule(
     needed = seeds_needed(sd, effect, alpha, power)
     n = min(max(least, needed), most)
     return dict(sd_pilot=sd_pilot, sd_difference=sd, needed=needed, n=n, power_at_n=paired_power(n, sd, effect, alpha),
-                capped=needed > most)
+                capped=needed > most, detectable_at_n=detectable_effect(n, sd, alpha, power))
+
+def detectable_effect(n:int, sd:float, alpha:float=0.05, power:float=0.80) -> float:
+    "The least effect the paired t-test detects with `power` at n seeds (bisection on `paired_power`), to 1e-4."
+    lo, hi = 0.0, 10 * sd
+    while hi - lo > 1e-4:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if paired_power(n, sd, mid, alpha) >= power else (mid, hi)
+    return hi
 
 # %% ../nbs/06g_bed_record.ipynb #e878721e
 def paired_effect(curves:dict, arm:str, control:str, key:str="hack_rate") -> dict:
