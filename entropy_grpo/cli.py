@@ -5,9 +5,11 @@
 # %% ../nbs/07c_cli.ipynb #a701c71d
 from __future__ import annotations
 import argparse, datetime as dt, importlib.util, json, sys
+from dataclasses import fields
 from pathlib import Path
 
 from .calibration import record_path
+from .phase2_run import Phase2Config
 from .experiments import _kv, _run_name, add_slurm_arguments, run_sweep, slurm_settings, summarize
 from .plan import add_plan_parser, plan, plan_report
 from .reports import (_rel, check_parameters, repo_root, resolve_paths, run_notebook, run_summary,
@@ -94,8 +96,13 @@ def _add_pools_command(sub, common):
                     "base pool (the base model) or a style-matched pool (the teacher, see --style-of)")
     po.add_argument("--style-of", metavar="TEACHER_POOL", help="the style-matched pool of this teacher pool: its "
                     "seed, steps, batch and sampling settings, no hint; --model must be the teacher")
-    po.add_argument("--steps", type=int, default=20); po.add_argument("--batch", type=int, default=8)
-    po.add_argument("--seed", type=int, default=0); po.add_argument("--max-new-tokens", type=int, default=128)
+    probe = {f.name: f.default for f in fields(Phase2Config)}   # a pool's defaults are the ones a probe accepts
+    po.add_argument("--steps", type=int, default=probe["pool_steps"], help="step files (default %(default)s; "
+                    "steps, batch, new tokens, temperature and top_p default to what a probe expects)")
+    po.add_argument("--batch", type=int, default=probe["pool_batch"]); po.add_argument("--seed", type=int, default=0)
+    po.add_argument("--max-new-tokens", type=int, default=probe["max_new_tokens"])
+    po.add_argument("--temperature", type=float, default=probe["temperature"])
+    po.add_argument("--top-p", type=float, default=probe["top_p"])
     po.add_argument("--task", default="", help="'' (arithmetic), 'package.module:Name' or a .jsonl file (give a "
                     "style-matched pool its teacher's)")
 
@@ -207,7 +214,8 @@ def _pool_settings(a) -> tuple:
     from entropy_grpo.sequence_processor import GenerationConfig
     if not a.style_of:
         return None, dict(steps=a.steps, batch=a.batch, seed=a.seed, G=1,
-                          config=GenerationConfig(max_new_tokens=a.max_new_tokens))
+                          config=GenerationConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                                                  top_p=a.top_p))
     if a.hint: raise ValueError("--hint with --style-of: expected no hint (a style pool is the teacher without it)")
     teacher = load_pool(Path(a.style_of).resolve())
     m = teacher.settings
