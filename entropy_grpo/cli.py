@@ -106,6 +106,7 @@ def _add_pools_command(sub, common):
     po.add_argument("--task", default="", help="'' (arithmetic), 'package.module:Name' or a .jsonl file (give a "
                     "style-matched pool its teacher's)")
 
+# %% ../nbs/07c_cli.ipynb #436e3232
 def cli_parser() -> argparse.ArgumentParser:
     "The `entropy-grpo` command's arguments: one subcommand per job."
     ap = argparse.ArgumentParser(prog="entropy-grpo", description="Measure and steer what one GRPO update does to a "
