@@ -17,7 +17,7 @@ from .dist import broadcast_, init_distributed, rank, world_size
 from .policies import policy_by_name
 from .pools import load_pool
 from .pairs import pool_pairs
-from .projection_arms import ARM_ADAPTER, ARMS, V_HACK_SOURCES, ProjectionArm, extract_v_hack
+from .projection_arms import ARM_ADAPTER, ARMS, V_HACK_SOURCES, ProjectionArm, VHack, extract_v_hack
 from .reports import git_sha
 from .sequence_processor import GenerationConfig, SequenceProcessor
 from .tasks import load_task
@@ -58,6 +58,7 @@ class Phase3Config(TemplateConfig):
     base_pool:str=""
     style_pool:str=""              # the style-matched pool (the teacher without the hint): v_hack's clean side
     k:int=1                        # v_hack directions per module
+    v_hack:str=""                  # a saved v_hack (Phase 2's out_dir/v_hack.safetensors) to project; empty: fit it
     v_hack_source:str="pairs"      # "pairs"; the controls: "random" (a random direction), "permuted" (labels shuffled)
     hint:bool|None=None            # prompts carry the task's hint; None: the preset's (True but for `leak`)
     prompts_per_microbatch:int=0   # prompts per backward (x G sequences); 0: tf_batch_size // G
@@ -81,9 +82,11 @@ def _check(self:Phase3Config):
     for name in ("steps", "k"): check_range(name, getattr(self, name), 1, integer=True)
     check_choice("v_hack_source", self.v_hack_source, V_HACK_SOURCES)
     check_range("prompts_per_microbatch", self.prompts_per_microbatch, 0, integer=True)
-    if self.arm.startswith("projected") and not (self.teacher_pool and self.base_pool):
-        raise ValueError(f"arm={self.arm!r} projects along v_hack: give teacher_pool and base_pool (entropy-grpo "
-                         "pools)")
+    if self.arm.startswith("projected") and not (self.v_hack or (self.teacher_pool and self.base_pool)):
+        raise ValueError(f"arm={self.arm!r} projects along v_hack: give v_hack (a Phase-2 run's v_hack.safetensors), "
+                         "or teacher_pool and base_pool (entropy-grpo pools)")
+    if self.v_hack and self.teacher_pool:
+        raise ValueError(f"v_hack={self.v_hack!r} and teacher_pool={self.teacher_pool!r}: expected one source of v_hack")
     if bool(self.teacher_pool) != bool(self.base_pool) or (self.style_pool and not self.teacher_pool):
         raise ValueError(f"teacher_pool={self.teacher_pool!r}, base_pool={self.base_pool!r}, style_pool="
                          f"{self.style_pool!r}: expected teacher and base (and optionally style) pools, or none")
@@ -123,8 +126,9 @@ class Phase3Run:
 # %% ../nbs/06d_phase3_run.ipynb #052a48fe
 @patch
 def fit_v_hack(self:Phase3Run) -> dict:
-    "v_hack from the pools' (hacked, clean) pairs, Phase 2's way; the arm's callback. Nothing without pools."
+    "v_hack loaded (`v_hack=`) or fitted from the pools' (hacked, clean) pairs, Phase 2's way; the arm's callback."
     c = self.cfg
+    if c.v_hack: return self._load_v_hack()
     if not c.teacher_pool: return {}
     pools = [load_pool(d) for d in (c.teacher_pool, c.base_pool, c.style_pool) if d]
     if c.style_pool: check_style_pool(pools[0], pools[2])
@@ -139,6 +143,18 @@ def fit_v_hack(self:Phase3Run) -> dict:
     self.callbacks.append(ProjectionArm(c.arm, self.adapter, vh))
     self.v_info = dict(k=c.k, n_pairs=len(triples), modules=len(vh.V), clean_pool=pools[-1].name,
                        source=c.v_hack_source)
+    return self.v_info
+
+# %% ../nbs/06d_phase3_run.ipynb #6d4b791b
+@patch
+def _load_v_hack(self:Phase3Run) -> dict:
+    "The saved v_hack (checked against this run's adapter), as the arm's direction: the very vector Phase 2 judged."
+    vh = VHack.load(self.cfg.v_hack, self.adapter)
+    if self.main: vh.save(self.out/"v_hack.safetensors")
+    self.v_hack = vh
+    self.callbacks.append(ProjectionArm(self.cfg.arm, self.adapter, vh))
+    self.v_info = dict(k=vh.k, modules=len(vh.V), source=vh.meta.get("source", "pairs"), loaded=self.cfg.v_hack,
+                       pools=vh.meta.get("pools"))
     return self.v_info
 
 @patch

@@ -62,7 +62,7 @@ POSITIVE = ("temperature", "top_p", "lr", "teacher_lr")                         
 # %% ../nbs/07d_template_params.ipynb #de0279e1
 def check_parameters(template, parameters:dict) -> dict:
     "ValueError for a name the template does not declare, a value of another type or out of range, one pool without"
-    " the other (a style pool without both) or a pool directory that is not there; else the declared dict."
+    " the other (a style pool without both), a pool directory or a v_hack file that is not there; else the declared dict."
     import papermill
     declared = papermill.inspect_notebook(str(template_path(template)))
     for name, value in parameters.items():
@@ -77,6 +77,13 @@ def check_parameters(template, parameters:dict) -> dict:
                              f"got {type(value).__name__}")
         if name in MINIMA: check_range(name, value, MINIMA[name], integer=True)
         if name in POSITIVE: check_range(name, value, 0, 1 if name == "top_p" else None, lo_open=True)
+    _check_paths(parameters)
+    return declared
+
+# %% ../nbs/07d_template_params.ipynb #1dcf884c
+def _check_paths(parameters:dict):
+    "ValueError for one pool without the other (a style pool without both), a pool directory or a v_hack file that is"
+    " not there."
     pools = [n for n in ("teacher_pool", "base_pool") if parameters.get(n)]
     if len(pools) == 1:
         other = "base_pool" if pools[0] == "teacher_pool" else "teacher_pool"
@@ -86,15 +93,17 @@ def check_parameters(template, parameters:dict) -> dict:
         if not pools: raise ValueError(f"style_pool={parameters['style_pool']!r} without teacher_pool and base_pool: "
                                        "expected all three pool directories, or none (then all are built)")
         pools.append("style_pool")
+    if parameters.get("v_hack") and not Path(parameters["v_hack"]).is_file():
+        raise ValueError(f"v_hack={parameters['v_hack']!r}: expected a v_hack.safetensors file (a Phase-2 run's; none at "
+                         f"{Path(parameters['v_hack']).resolve()})")
     for n in pools:
         p = Path(parameters[n])
         if not p.is_dir(): raise ValueError(f"{n}={parameters[n]!r}: expected a pool directory (none at {p.resolve()})")
-    return declared
 
-# %% ../nbs/07d_template_params.ipynb #1dcf884c
+# %% ../nbs/07d_template_params.ipynb #2901ad52
 def resolve_paths(parameters:dict) -> dict:
-    "Relative paths among `parameters` (`*_pool`, `*_dir`, a `model` that is a path) made absolute against this"
-    " process's working directory: the kernel's is the checkout."
+    "Relative paths among `parameters` (`*_pool`, `*_dir`, `v_hack`, a `model` that is a path) made absolute against"
+    " this process's working directory: the kernel's is the checkout."
     model = lambda k, v: k == "model" and v not in ("tiny", "default") and Path(v).exists()
-    path = lambda k, v: isinstance(v, str) and v and (k.endswith(("_pool", "_dir")) or model(k, v))
+    path = lambda k, v: isinstance(v, str) and v and (k.endswith(("_pool", "_dir")) or k == "v_hack" or model(k, v))
     return {k: str(Path(v).expanduser().resolve()) if path(k, v) else v for k, v in parameters.items()}

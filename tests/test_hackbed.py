@@ -73,3 +73,33 @@ def test_phase2_with_a_plugged_in_task_asks_for_pools_built_with_it():
     from fastcore.test import test_fail
     from entropy_grpo.phase2_run import Phase2Config
     test_fail(lambda: Phase2Config(task=LEAK), contains=f"build them with `entropy-grpo pools --task {LEAK}`")
+
+
+def test_phase3_projects_the_very_v_hack_a_saved_file_holds(labelled, tmp_path, capsys):
+    "A projected arm given `v_hack=` loads it (checked against its adapter) instead of fitting one: the vector Phase 2"
+    " judged is the one Phase 3 removes."
+    import torch
+    from fastcore.test import test_fail
+    from entropy_grpo.phase3_run import Phase3Run
+    from entropy_grpo.projection_arms import ProjectionArm
+    teacher, base = labelled[:2]
+    fitted = Phase3Run(Phase3Config(preset="smoke", arm="projected", steps=1, teacher_pool=teacher, base_pool=base,
+                                    out_dir=str(tmp_path / "fitted")))
+    fitted.add_arm(); fitted.fit_v_hack()
+    saved = str(tmp_path / "fitted" / "v_hack.safetensors")
+    run = Phase3Run(Phase3Config(preset="smoke", arm="projected", steps=1, v_hack=saved, out_dir=str(tmp_path / "l")))
+    run.add_arm(); info = run.fit_v_hack()
+    assert info["loaded"] == saved and any(isinstance(cb, ProjectionArm) for cb in run.callbacks)
+    for name, v in fitted.v_hack.V.items(): torch.testing.assert_close(run.v_hack.V[name], v, rtol=0, atol=0)
+    assert "cos_in" in run.run_training()[-1]
+    lora = Phase3Run(Phase3Config(preset="smoke", arm="projected_lora", steps=1, v_hack=saved,
+                                  out_dir=str(tmp_path / "lora")))
+    lora.add_arm()
+    with pytest.raises(ValueError): lora.fit_v_hack()    # a δS v_hack is not a LoRA arm's direction
+    test_fail(lambda: Phase3Config(arm="projected", v_hack=saved, teacher_pool=teacher, base_pool=base),
+              contains="expected one source of v_hack")
+    test_fail(lambda: Phase3Config(arm="projected"), contains="give v_hack (a Phase-2 run's v_hack.safetensors)")
+    assert main(["sweep", "--out", str(tmp_path / "s"), "--seeds", "0", "--arms", "projected", "--steps", "1",
+                 "-p", "v_hack='nope.safetensors'"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "nope.safetensors': expected a v_hack.safetensors file" in err, err
