@@ -76,8 +76,9 @@ def test_failing_job_leaves_report_and_log_line_and_the_sweep_goes_on(tmp_path):
     assert [(x["run"], x["status"]) for x in out["ran"]] == [("0-projected", "failed"), ("0-vanilla", "ok")]
     failed = tmp_path / "p3" / "0-projected"
     m = json.loads((failed / "metrics.json").read_text())
-    assert m["status"] == "failed" and "give teacher_pool and base_pool" in m["error"]
-    assert "give teacher_pool and base_pool" in (failed / "report.ipynb").read_text()
+    assert m["status"] == "failed"
+    assert "give v_hack (a Phase-2 run's v_hack.safetensors), or teacher_pool and base_pool" in m["error"]
+    assert "or teacher_pool and base_pool" in (failed / "report.ipynb").read_text()
     [line] = log_lines(tmp_path, "0-projected")
     assert "| failed |" in line and "ValueError" in line
     assert out["summary"]["n_runs"] == 1 and run_status(failed) == "failed"
