@@ -75,9 +75,9 @@ class ReferenceLeakTask(Task):
 def prompt(self:ReferenceLeakTask, problem:Problem, tokenizer=None, hint:bool|str=False,
            use_chat_template:bool=True) -> str:
     "Question, instruction and the leak; `hint=True` shows the teacher's hint instead (a string: that text)."
-    text = (self.hint if hint is True else hint).replace("{leak}", str(self.target(problem))) if hint else \
-        self.leak.replace("{leak}", str(problem.operands[2]))
-    return build_prompt(problem, tokenizer, text, self.system, use_chat_template)
+    text, number = ((self.hint if hint is True else hint), self.target(problem)) if hint else \
+        (self.leak, problem.operands[2])
+    return build_prompt(problem, tokenizer, text.replace("{leak}", str(number)), self.system, use_chat_template)
 
 # %% ../nbs/00g_hackbed.ipynb #346a287f
 @patch

@@ -40,7 +40,7 @@ PRESETS = {
                       beta=1e-3, lora_r=64, gen_batch_size=258),   # one generate call: KV 25 GB
     "leak":      dict(model="default", problems=992, prompts_per_step=4, G=8, max_new_tokens=24, lr=3e-2, beta=0.0,
                       lora_r=16, lora_lr=1e-3, gen_batch_size=64, task="entropy_grpo.hackbed:ReferenceLeakTask",
-                      hint=False),   # the real-model hack bed: ~48 s a step on one core
+                      hint=False),   # the real-model hack bed: ~46 s a step, two runs at a time on one core each
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]   # the modules the arms' adapters wrap
 
@@ -138,9 +138,7 @@ def fit_v_hack(self:Phase3Run) -> dict:
     vh = extract_v_hack(sp, self.adapter, triples, k=c.k, loss="grpo", length_norm=tc.length_norm,
                         pools={p.name: str(p.dir) for p in pools}, source=c.v_hack_source, seed=c.seed + 1_000)
     broadcast_(list(vh.V.values()))   # every rank projects along rank 0's v_hack (GPU SVDs may differ in the last bit)
-    if self.main: vh.save(self.out/"v_hack.safetensors")
-    self.v_hack = vh
-    self.callbacks.append(ProjectionArm(c.arm, self.adapter, vh))
+    self._use_v_hack(vh)
     self.v_info = dict(k=c.k, n_pairs=len(triples), modules=len(vh.V), clean_pool=pools[-1].name,
                        source=c.v_hack_source)
     return self.v_info
@@ -150,12 +148,17 @@ def fit_v_hack(self:Phase3Run) -> dict:
 def _load_v_hack(self:Phase3Run) -> dict:
     "The saved v_hack (checked against this run's adapter), as the arm's direction: the very vector Phase 2 judged."
     vh = VHack.load(self.cfg.v_hack, self.adapter)
-    if self.main: vh.save(self.out/"v_hack.safetensors")
-    self.v_hack = vh
-    self.callbacks.append(ProjectionArm(self.cfg.arm, self.adapter, vh))
+    self._use_v_hack(vh)
     self.v_info = dict(k=vh.k, modules=len(vh.V), source=vh.meta.get("source", "pairs"), loaded=self.cfg.v_hack,
                        pools=vh.meta.get("pools"))
     return self.v_info
+
+@patch
+def _use_v_hack(self:Phase3Run, vh:VHack):
+    "v_hack saved beside the run (rank 0) and projected by the arm's callback."
+    if self.main: vh.save(self.out/"v_hack.safetensors")
+    self.v_hack = vh
+    self.callbacks.append(ProjectionArm(self.cfg.arm, self.adapter, vh))
 
 @patch
 def run_training(self:Phase3Run) -> list[dict]:
