@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One seed block of the real-model hack bed (runs/hackbed/PROTOCOL.md): the pools of settings A and B (built once,
+# shared by the blocks), Phase 2 on each setting with the product's defaults (probe seed = the block's first seed),
+# then the six arms two seeds at a time, so that a stopped block holds whole seed pairs. Every step skips what is done:
+# re-run the same command to resume.
+#   usage: tools/hackbed_block.sh BLOCK FIRST_SEED N      e.g. tools/hackbed_block.sh 1 1000 30
+set -euo pipefail
+block=$1; first=$2; n=$3
+E=.venv/bin/entropy-grpo; B=runs/hackbed; P=$B/pools; D=$B/block$block
+LEAK=entropy_grpo.hackbed:ReferenceLeakTask; DECOY=entropy_grpo.hackbed:addend_decoy_task
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+
+pools_of() { echo "-p teacher_pool='$P/$1-teacher' -p base_pool='$P/$1-base' -p style_pool='$P/$1-style'"; }
+
+# pools: teacher with its hint (seed 1), the style-matched pool (same problems, no hint), the base pool (seed 2)
+build_pools() {   # setting task
+  $E pools "$P/$1-teacher" --task "$2" --hint --seed 1
+  $E pools "$P/$1-style" --task "$2" --style-of "$P/$1-teacher"
+  $E pools "$P/$1-base" --task "$2" --seed 2
+}
+build_pools A "$LEAK" & build_pools B "$DECOY" & wait
+
+# Phase 2 per setting (two threads: one probe at a time); its v_hack.safetensors is what the arms project
+for s in A B; do
+  task=$LEAK; [ "$s" = B ] && task=$DECOY
+  [ -f "$D/$s-phase2/v_hack.safetensors" ] || OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 \
+    $E probe --out "$D/$s-phase2" --seed "$first" -p task="'$task'" $(pools_of "$s")
+done
+
+sweep() {   # sweep-dir seeds... -- arms and parameters
+  local dir=$1; shift
+  $E sweep --out "$D/$dir" --steps 16 --max-parallel 2 --force -p preset="'leak'" "$@"
+}
+for ((s = first; s < first + n; s += 2)); do
+  seeds=("$s"); [ $((s + 1)) -lt $((first + n)) ] && seeds+=("$((s + 1))")
+  sweep arms --seeds "${seeds[@]}" --arms vanilla projected -p v_hack="'$D/A-phase2/v_hack.safetensors'"
+  sweep decoy --seeds "${seeds[@]}" --arms projected -p v_hack="'$D/B-phase2/v_hack.safetensors'"
+  sweep random --seeds "${seeds[@]}" --arms projected -p v_hack_source="'random'" $(pools_of A)
+  sweep lora --seeds "${seeds[@]}" --arms vanilla_lora projected_lora $(pools_of A)
+done
