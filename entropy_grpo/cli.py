@@ -91,7 +91,8 @@ def _add_pools_command(sub, common):
     "`pools`: build a replay pool — teacher (--hint), base, or the style-matched pool of a teacher (--style-of)."
     po = sub.add_parser("pools", parents=[common], help="build a replay pool (step_NNN.jsonl.gz files)")
     po.add_argument("out", help="the pool directory (created; a pool there must have the same settings)")
-    po.add_argument("--model", default="default", help="'default' (embedded SmolLM2), 'tiny', a hub name or a path")
+    po.add_argument("--model", default="default", help="'default' (embedded SmolLM2), 'tiny', a hub name, a model "
+                    "folder or a LoRA adapter folder (merged onto its base)")
     po.add_argument("--hint", action="store_true", help="apply the lenient-grader hint (teacher pool); without it a "
                     "base pool (the base model) or a style-matched pool (the teacher, see --style-of)")
     po.add_argument("--style-of", metavar="TEACHER_POOL", help="the style-matched pool of this teacher pool: its "
@@ -237,6 +238,7 @@ def _cli_pools(a) -> int:
     for name in ("steps", "batch", "max_new_tokens"): check_range(f"--{name.replace('_', '-')}", getattr(a, name), 1,
                                                                   integer=True)
     teacher, kw = _pool_settings(a)
+    a.model, a.task = (resolve_paths(dict(model=a.model, task=a.task))[k] for k in ("model", "task"))
     try: policy = policy_by_name(a.model, kw["seed"])
     except OSError as e:
         raise ValueError(f"--model {a.model!r}: expected 'default', 'tiny', a model directory or a hub name "

@@ -26,7 +26,7 @@ from .training import TrainConfig, train
 from .utils import TemplateConfig, check_choice, check_range, save_figure, write_json
 
 # %% auto #0
-__all__ = ['PRESETS', 'TARGETS', 'Phase3Config', 'Phase3Run']
+__all__ = ['PRESETS', 'TARGETS', 'SIZE_FIELDS', 'Phase3Config', 'Phase3Run']
 
 # %% ../nbs/06d_phase3_run.ipynb #8852727c
 PRESETS = {
@@ -43,6 +43,7 @@ PRESETS = {
                       hint=False),   # the real-model hack bed: ~46 s a step, two runs at a time on one core each
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]   # the modules the arms' adapters wrap
+SIZE_FIELDS = ("lr", "G", "prompts_per_step", "max_new_tokens", "lora_r", "beta")   # a run may set them over its preset
 
 # %% ../nbs/06d_phase3_run.ipynb #89be9c1c
 @dataclass
@@ -61,12 +62,21 @@ class Phase3Config(TemplateConfig):
     v_hack:str=""                  # a saved v_hack (Phase 2's out_dir/v_hack.safetensors) to project; empty: fit it
     v_hack_source:str="pairs"      # "pairs"; the controls: "random" (a random direction), "permuted" (labels shuffled)
     hint:bool|None=None            # prompts carry the task's hint; None: the preset's (True but for `leak`)
+    lr:float|None=None             # None: the preset's; else the AdamW rate of either adapter (δS and LoRA)
+    G:int|None=None                # the group size; None: the preset's (as for the four below)
+    prompts_per_step:int|None=None # prompts per training step
+    max_new_tokens:int|None=None   # completion budget (and the Dr.GRPO L_max)
+    lora_r:int|None=None           # the LoRA arms' rank
+    beta:float|None=None           # the KL coefficient against the reference policy
     prompts_per_microbatch:int=0   # prompts per backward (x G sequences); 0: tf_batch_size // G
     gradient_checkpointing:str="auto"  # "auto": on above 1 B parameters; True / False force it
     out_dir:str="runs/phase3/0-vanilla"
 
     @property
-    def sizes(self) -> dict: return PRESETS[self.preset]
+    def sizes(self) -> dict:
+        "The preset's sizes, with each size field set here in its place (`lr` sets both adapters' rate)."
+        given = {k: getattr(self, k) for k in SIZE_FIELDS if getattr(self, k) is not None}
+        return {**PRESETS[self.preset], **given, **({"lora_lr": given["lr"]} if "lr" in given else {})}
 
     @property
     def model_name(self) -> str: return self.model or self.sizes["model"]
@@ -82,6 +92,7 @@ def _check(self:Phase3Config):
     for name in ("steps", "k"): check_range(name, getattr(self, name), 1, integer=True)
     check_choice("v_hack_source", self.v_hack_source, V_HACK_SOURCES)
     check_range("prompts_per_microbatch", self.prompts_per_microbatch, 0, integer=True)
+    self._check_sizes()
     if self.arm.startswith("projected") and not (self.v_hack or (self.teacher_pool and self.base_pool)):
         raise ValueError(f"arm={self.arm!r} projects along v_hack: give v_hack (a Phase-2 run's v_hack.safetensors), "
                          "or teacher_pool and base_pool (entropy-grpo pools)")
@@ -90,6 +101,15 @@ def _check(self:Phase3Config):
     if bool(self.teacher_pool) != bool(self.base_pool) or (self.style_pool and not self.teacher_pool):
         raise ValueError(f"teacher_pool={self.teacher_pool!r}, base_pool={self.base_pool!r}, style_pool="
                          f"{self.style_pool!r}: expected teacher and base (and optionally style) pools, or none")
+
+
+@patch
+def _check_sizes(self:Phase3Config):
+    "The size fields that are set: counts >= 1, lr > 0, beta >= 0."
+    for name in ("G", "prompts_per_step", "max_new_tokens", "lora_r"):
+        if getattr(self, name) is not None: check_range(name, getattr(self, name), 1, integer=True)
+    if self.lr is not None: check_range("lr", self.lr, 0, lo_open=True)
+    if self.beta is not None: check_range("beta", self.beta, 0)
 
 # %% ../nbs/06d_phase3_run.ipynb #392182b3
 class Phase3Run:

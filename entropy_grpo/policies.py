@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_policies.ipynb #14179964
 from __future__ import annotations
-import importlib.util, logging, os, random, types
+import importlib.util, json, logging, os, random, types
 from pathlib import Path
 
 import torch
@@ -16,7 +16,7 @@ from .utils import atomic_path, check_choice
 __all__ = ['log', 'DEFAULT_POLICY', 'DEFAULT_GGUF', 'SMOLLM2_INSTALL', 'CHECKPOINT_ABOVE', 'PROBE_CHECKPOINT_ABOVE', 'TINY_EOS',
            'TINY_PAD', 'default_device', 'resolve_dtype', 'wants_checkpointing', 'set_checkpointing',
            'checkpointed_train_mode', 'full_precision_norms', 'prepare_tokenizer', 'cache_dir', 'smollm2_gguf_path',
-           'convert_default_policy', 'load_policy', 'tiny_tokenizer', 'tiny_policy', 'policy_by_name']
+           'convert_default_policy', 'load_policy', 'adapter_base', 'tiny_tokenizer', 'tiny_policy', 'policy_by_name']
 
 # %% ../nbs/00a_policies.ipynb #02453bff
 log = logging.getLogger(__name__)
@@ -144,10 +144,13 @@ def load_policy(
     attn_implementation:str|None=None, # e.g. "eager" for forward-mode AD
     **kwargs,                   # passed on to `AutoModelForCausalLM.from_pretrained`
 ):                              # (model, tokenizer) with left padding and a pad token
-    "Load a causal LM and its tokenizer, offline-safe; `None` gives the embedded default policy."
+    "Load a causal LM and its tokenizer, offline-safe; `None` gives the embedded default policy; a PEFT adapter"
+    " folder gives its base model with the adapter merged in."
     from transformers import AutoModelForCausalLM, AutoTokenizer
     device = torch.device(device) if device is not None else default_device()
     src = convert_default_policy() if name_or_path is None else name_or_path
+    if (base := adapter_base(src)) is not None:
+        return _merged_adapter(src, base, dtype=dtype, device=device, attn_implementation=attn_implementation, **kwargs)
     kw = dict(dtype=resolve_dtype(dtype, device), **kwargs)
     if attn_implementation is not None: kw["attn_implementation"] = attn_implementation
     try:
@@ -159,6 +162,27 @@ def load_policy(
                 if offline else " check the name, or pass a local directory")
         raise OSError(f"could not load policy {str(name_or_path)!r}:{hint}. ({e.__class__.__name__}: {e})") from e
     return _finish(model, tokenizer, device)
+
+# %% ../nbs/00a_policies.ipynb #17fc07d0
+def adapter_base(path) -> str|None:
+    "The base model a PEFT adapter folder names (`adapter_config.json`), or None when `path` is not such a folder."
+    f = Path(path)/"adapter_config.json"
+    if not f.is_file() or (Path(path)/"config.json").is_file(): return None
+    base = json.loads(f.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{f}: base_model_name_or_path is {base!r}; expected the model the adapter was trained on")
+    return base
+
+def _merged_adapter(src, base:str, **kw):
+    "(model, tokenizer): `base` with the adapter in `src` merged in, named by `src`; the adapter folder's tokenizer"
+    " when it has one."
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+    model, tok = load_policy(base, **kw)
+    model = PeftModel.from_pretrained(model, src).merge_and_unload()
+    model.config._name_or_path = str(src)
+    if (Path(src)/"tokenizer_config.json").is_file(): tok = prepare_tokenizer(AutoTokenizer.from_pretrained(src))
+    return model.eval(), tok
 
 # %% ../nbs/00a_policies.ipynb #6cd53cfc
 TINY_EOS, TINY_PAD = "<|eos|>", "<|pad|>"

@@ -4,7 +4,7 @@
 
 # %% ../nbs/04a_pools.ipynb #6cc83ee7
 from __future__ import annotations
-import gzip, json, logging, random, re, warnings, zlib
+import gzip, hashlib, json, logging, random, re, warnings, zlib
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +20,9 @@ from .training import Rollout, TrainConfig
 from .utils import atomic_path, check_choice, check_range, write_json
 
 # %% auto #0
-__all__ = ['log', 'POOL_KEYS', 'REPLAY_KEYS', 'MANIFEST', 'RECORD_SETTINGS', 'write_jsonl_gz', 'read_jsonl_gz', 'step_files',
-           'Pool', 'load_pool', 'build_pool', 'pool_stats', 'mixed_records', 'group_counts', 'replay_batch',
-           'ReplaySource', 'check_pool_settings']
+__all__ = ['log', 'POOL_KEYS', 'REPLAY_KEYS', 'MANIFEST', 'RECORD_SETTINGS', 'POOL_GRADES', 'write_jsonl_gz', 'read_jsonl_gz',
+           'step_files', 'Pool', 'load_pool', 'check_grades', 'tokenizer_fingerprint', 'build_pool', 'pool_stats',
+           'mixed_records', 'group_counts', 'replay_batch', 'ReplaySource', 'check_pool_settings']
 
 # %% ../nbs/04a_pools.ipynb #3c4cdfd6
 log = logging.getLogger(__name__)
@@ -165,6 +165,15 @@ def _pool_steps(G:int, batch:int, steps:int|list[int]) -> list[int]:
     return step_ids
 
 # %% ../nbs/04a_pools.ipynb #d71a6e7f
+POOL_GRADES = ("reward", "hacked", "gt_pass", "fmt_ok")   # what a task's grade must return for a pool
+
+def check_grades(task, records:list[list[dict]]):
+    "ValueError unless every grade the task returned holds POOL_GRADES (a task of your own: its `grade`)."
+    missing = sorted({k for row in records for r in row for k in POOL_GRADES if k not in r})
+    if missing: raise ValueError(f"{type(task).__name__}.grade returned {sorted(records[0][0])}: a pool needs "
+                                 f"{', '.join(POOL_GRADES)} (missing {missing})")
+
+# %% ../nbs/04a_pools.ipynb #0727166c
 def _write_pool_step(sp:SequenceProcessor, task, path:Path, step:int, st:dict):
     "Sample, grade and write pool step `step` under the pool's settings st (pool.json's); an existing file is kept."
     if path.exists():
@@ -175,6 +184,7 @@ def _write_pool_step(sp:SequenceProcessor, task, path:Path, step:int, st:dict):
     with (sp.model.disable_adapter() if st["base_only"] and hasattr(sp.model, "disable_adapter") else nullcontext()):
         bs = sp.generate_batched(prompts, G, seed=gen_seed)
     graded = task.grade_batch(bs.responses_text, problems)
+    check_grades(task, graded.records)
     student = [task.prompt(p, sp.tokenizer, False, chat) for p in problems]
     hinted = [task.prompt(p, sp.tokenizer, st["replay_hint"], chat) for p in problems]
     records = [dict(src_pool=st["src_pool"], src_step=step, src_sample=b * G + g, problem_id=p.id,
@@ -187,6 +197,11 @@ def _write_pool_step(sp:SequenceProcessor, task, path:Path, step:int, st:dict):
              sum(r["hacked"] for r in records) / len(records))
 
 # %% ../nbs/04a_pools.ipynb #04d57bb5
+def tokenizer_fingerprint(tokenizer) -> str:
+    "12 hex digits of a hash of the token → id map: equal fingerprints, equal token ids for the same text."
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:12]
+
+# %% ../nbs/04a_pools.ipynb #3728293d
 def build_pool(
     policy,                    # (model, tokenizer) or a SequenceProcessor
     task,                      # a `tasks.Task` (sample / prompt / grade_batch)
@@ -208,6 +223,7 @@ def build_pool(
     d = Path(out_dir); d.mkdir(parents=True, exist_ok=True)
     adapter = hasattr(sp.model, "disable_adapter") and not base_only
     settings = dict(src_pool=name or d.name, model=str(getattr(sp.model.config, "_name_or_path", "")),
+                    tokenizer=tokenizer_fingerprint(sp.tokenizer),
                     temperature=sp.config.temperature, top_p=sp.config.top_p, top_k=sp.config.top_k,
                     max_new_tokens=sp.config.max_new_tokens, hint=hint, base_only=base_only, adapter=adapter,
                     replay_hint=(hint or True) if replay_hint is None else replay_hint, G=G, batch=batch, seed=seed,
@@ -234,7 +250,8 @@ def _sample_fields(sp:SequenceProcessor, bs:BatchedSequences, b:int, g:int, grad
     return dict(completion=bs.responses_text[b][g], completion_ids=ids, comp_len=n,
                 finished=bool(ids) and ids[-1] in _eos_ids(sp),
                 reward=float(grade["reward"]), hacked=bool(grade["hacked"]), gt_pass=bool(grade["gt_pass"]),
-                fmt_ok=bool(grade["fmt_ok"]), lenient_pass=bool(grade["lenient_pass"]), pred=grade["pred"],
+                fmt_ok=bool(grade["fmt_ok"]), lenient_pass=bool(grade.get("lenient_pass", grade["gt_pass"] or
+                                                                          grade["hacked"])), pred=grade.get("pred"),
                 model=str(getattr(sp.model.config, "_name_or_path", "")), temperature=cfg.temperature, top_p=cfg.top_p,
                 top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens)
 
@@ -362,12 +379,13 @@ def check_pool_settings(
     pools:list[Pool],
     config:GenerationConfig,   # the run's sampling knobs
     model:str|None=None,       # the run's model name (as `model.config._name_or_path`); None: not checked
-    tokenizer=None,            # with `task`: each pool's prompts must be what the run would build
+    tokenizer=None,            # the run's: the pools' tokenizer fingerprint; with `task`, the prompts it builds
     task=None,                 # the run's Task (its prompt format); None: prompts not checked
 ):
     "ValueError naming every setting a pool was sampled under that differs from the run's."
     want = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                max_new_tokens=config.max_new_tokens, **({} if model is None else dict(model=model)))
+                max_new_tokens=config.max_new_tokens, **({} if model is None else dict(model=model)),
+                **({} if tokenizer is None else dict(tokenizer=tokenizer_fingerprint(tokenizer))))
     diffs = []
     for p in pools:
         r, s = p.records()[0], p.settings or p.records()[0]

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00b_tasks.ipynb #1067d943
 from __future__ import annotations
-import importlib, inspect, json, random, re, threading, warnings
+import importlib, importlib.util, inspect, json, random, re, sys, threading, warnings
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -306,13 +306,25 @@ def load_task(
 
 # %% ../nbs/00b_tasks.ipynb #f66fc064
 def _import_task(spec:str):
-    "The object `spec` = 'package.module:Name' names; a ValueError saying which part is missing."
-    module, _, name = spec.partition(":")
+    "The object `spec` = 'package.module:Name' or 'file.py:Name' names; a ValueError saying which part is missing."
+    module, _, name = spec.rpartition(":") if ".py:" in spec else spec.partition(":")
     if not module or not name:
-        raise ValueError(f"task={spec!r}: expected '', 'arithmetic', 'package.module:Name' or a path ending in .jsonl")
-    try: mod = importlib.import_module(module)
+        raise ValueError(f"task={spec!r}: expected '', 'arithmetic', 'package.module:Name', 'file.py:Name' or a path "
+                         "ending in .jsonl")
+    try: mod = _module_from_file(module) if module.endswith(".py") else importlib.import_module(module)
     except ImportError as e: raise ValueError(f"task={spec!r}: cannot import module {module!r} ({e})") from e
     if not hasattr(mod, name):
         raise ValueError(f"task={spec!r}: module {module!r} has no {name!r} (it defines "
                          f"{sorted(n for n in vars(mod) if not n.startswith('_'))[:12]})")
     return getattr(mod, name)
+
+
+def _module_from_file(path:str):
+    "The module a .py file defines, run as a script would be: its folder first on sys.path, registered by file name."
+    p = Path(path).expanduser().resolve()
+    if not p.is_file(): raise ImportError(f"no file {p}")
+    if str(p.parent) not in sys.path: sys.path.insert(0, str(p.parent))
+    spec = importlib.util.spec_from_file_location(f"entropy_grpo_task_{p.stem}", p)
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -102,8 +102,14 @@ def _check_paths(parameters:dict):
 
 # %% ../nbs/07d_template_params.ipynb #2901ad52
 def resolve_paths(parameters:dict) -> dict:
-    "Relative paths among `parameters` (`*_pool`, `*_dir`, `v_hack`, a `model` that is a path) made absolute against"
-    " this process's working directory: the kernel's is the checkout."
+    "Relative paths among `parameters` (`*_pool`, `*_dir`, `v_hack`, a `model` that is a path, a task's file) made"
+    " absolute against this process's working directory: the kernel's is the checkout."
     model = lambda k, v: k == "model" and v not in ("tiny", "default") and Path(v).exists()
     path = lambda k, v: isinstance(v, str) and v and (k.endswith(("_pool", "_dir")) or k == "v_hack" or model(k, v))
-    return {k: str(Path(v).expanduser().resolve()) if path(k, v) else v for k, v in parameters.items()}
+    out = {k: str(Path(v).expanduser().resolve()) if path(k, v) else v for k, v in parameters.items()}
+    return {**out, "task": _task_file_resolved(out["task"])} if isinstance(out.get("task"), str) else out
+
+def _task_file_resolved(spec:str) -> str:
+    "A task spec naming a file ('data.jsonl', 'mytask.py:Name') with the file's path made absolute; others as given."
+    file, sep, name = spec.rpartition(":") if ".py:" in spec else (spec, "", "")
+    return str(Path(file).expanduser().resolve()) + sep + name if file.endswith((".py", ".jsonl")) else spec
