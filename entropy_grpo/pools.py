@@ -188,7 +188,8 @@ def _write_pool_step(sp:SequenceProcessor, task, path:Path, step:int, st:dict):
     student = [task.prompt(p, sp.tokenizer, False, chat) for p in problems]
     hinted = [task.prompt(p, sp.tokenizer, st["replay_hint"], chat) for p in problems]
     records = [dict(src_pool=st["src_pool"], src_step=step, src_sample=b * G + g, problem_id=p.id,
-                    question=p.question, answer=p.answer, prompt=prompts[b], student_prompt=student[b],
+                    question=p.question, answer=p.answer, operands=list(p.operands), prompt=prompts[b],
+                    student_prompt=student[b],
                     hint_prompt=hinted[b], **_sample_fields(sp, bs, b, g, graded.records[b][g]), hint=hint,
                     base_only=st["base_only"], adapter=st["adapter"], gen_seed=gen_seed)
                for b, p in enumerate(problems) for g in range(G)]
@@ -390,10 +391,17 @@ def check_pool_settings(
     for p in pools:
         r, s = p.records()[0], p.settings or p.records()[0]
         diffs += [f"pool {p.name!r} {k}={s.get(k)!r} (run: {v!r})" for k, v in want.items() if k in s and s[k] != v]
-        if task is not None and tokenizer is not None and "question" in r:
-            built = task.prompt(Problem(r.get("problem_id", ""), r["question"], r["answer"]), tokenizer,
-                                r.get("hint", False))
-            if built != r["prompt"]:
-                diffs.append(f"pool {p.name!r} prompt format differs from the run's (first record: "
-                                                  f"{r['prompt'][:60]!r} vs {built[:60]!r})")
+        if task is not None and tokenizer is not None and "question" in r: diffs += _prompt_diff(p.name, r, task,
+                                                                                              tokenizer)
     if diffs: raise ValueError("pools were sampled with other settings than this run: " + "; ".join(diffs))
+
+# %% ../nbs/04a_pools.ipynb #bc02f1e0
+def _prompt_diff(name:str, r:dict, task, tokenizer) -> list[str]:
+    "[] when the run's task builds record r's prompt from its problem (id, question, answer, operands); else why not."
+    problem = Problem(r.get("problem_id", ""), r["question"], r["answer"], tuple(r.get("operands", ())))
+    try: built = task.prompt(problem, tokenizer, r.get("hint", False))
+    except (IndexError, KeyError, TypeError, ValueError) as e:
+        return [f"pool {name!r}: the run's task cannot build its first record's prompt ({type(e).__name__}: {e}; "
+                "a pool written before records kept their problem's operands: build it again)"]
+    return [] if built == r["prompt"] else [f"pool {name!r} prompt format differs from the run's (first record: "
+                                            f"{r['prompt'][:60]!r} vs {built[:60]!r})"]

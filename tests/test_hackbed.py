@@ -103,3 +103,22 @@ def test_phase3_projects_the_very_v_hack_a_saved_file_holds(labelled, tmp_path, 
                  "-p", "v_hack='nope.safetensors'"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "nope.safetensors': expected a v_hack.safetensors file" in err, err
+
+
+def test_pools_of_the_leak_task_pass_a_run_that_draws_its_own_problems(tmp_path):
+    "A probe's task draws other problems (its seed) than the pools' (theirs): each record's prompt is rebuilt from its"
+    " own problem, operands included; a record without them (a pool from before they were kept) is named, not crashed on."
+    import gzip
+    from entropy_grpo.policies import tiny_policy
+    from entropy_grpo.pools import build_pool, check_pool_settings, load_pool
+    from entropy_grpo.sequence_processor import GenerationConfig
+    policy, gen = tiny_policy(0), GenerationConfig(max_new_tokens=4)
+    build_pool(policy, ReferenceLeakTask(seed=1), True, 1, 2, tmp_path / "teacher", config=gen, seed=1)
+    pool = load_pool(tmp_path / "teacher")
+    check_pool_settings([pool], gen, tokenizer=policy[1], task=ReferenceLeakTask(seed=1000))
+    f = tmp_path / "teacher" / "step_000.jsonl.gz"
+    records = [json.loads(l) for l in gzip.open(f, "rt")]
+    with gzip.open(f, "wt") as out:
+        for r in records: out.write(json.dumps({k: v for k, v in r.items() if k != "operands"}) + "\n")
+    with pytest.raises(ValueError, match="cannot build its first record's prompt .* build it again"):
+        check_pool_settings([load_pool(tmp_path / "teacher")], gen, tokenizer=policy[1], task=ReferenceLeakTask(seed=1000))
