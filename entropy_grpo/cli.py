@@ -44,7 +44,7 @@ class _TemplateHelp(argparse.Action):
         parser.print_help(); parser.exit()
 
 def _run_parser(sub, name:str, template:str, help:str, common) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help, description=help, add_help=False, parents=[common],
+    p = sub.add_parser(name, help=help, description=help.replace("%%", "%"), add_help=False, parents=[common],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-h", "--help", action=_TemplateHelp, template=template)
     p.add_argument("-p", action="append", metavar="NAME=VALUE", help="set a template parameter (a Python literal)")
@@ -54,7 +54,8 @@ def _run_parser(sub, name:str, template:str, help:str, common) -> argparse.Argum
 def _add_run_commands(sub, common):
     "The subcommands that execute one template into a report: demo, probe, phase1, calibrate."
     d = _run_parser(sub, "demo", "phase2", "Phase-2 probe on the embedded default policy (SmolLM2-135M), small enough "
-                    "for a laptop CPU; report under runs/local/demo/<date>-<seed>-<arm> (ignored by git)", common)
+                    "for a laptop CPU; report under runs/local/demo/<date>-<time>-<seed>-<arm> (ignored by git)",
+                    common)
     p = _run_parser(sub, "probe", "phase2", "one Phase-2 probe run (papermill report under runs/<exp>/<seed>-<arm>)",
                     common)
     p.add_argument("--exp", default="phase2")

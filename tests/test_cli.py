@@ -180,3 +180,10 @@ def test_pools_of_the_tiny_policy(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["pool.json", "step_000.jsonl.gz"]
     refused(capsys, ["pools", str(tmp_path / "p"), "--model", "tiny", "--steps", "2", "--batch", "2",
                      "--max-new-tokens", "5"], "holds samples of other settings (max_new_tokens=4 (now 5))")
+
+
+def test_run_command_help_prints_its_text_as_written(capsys):
+    for cmd, text in (("calibrate", "with its 95% interval"), ("demo", "runs/local/demo/<date>-<time>-<seed>-<arm>")):
+        with pytest.raises(SystemExit): main([cmd, "--help"])
+        out = capsys.readouterr().out
+        assert text in out and "%%" not in out, out
