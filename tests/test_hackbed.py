@@ -121,4 +121,25 @@ def test_pools_of_the_leak_task_pass_a_run_that_draws_its_own_problems(tmp_path)
     with gzip.open(f, "wt") as out:
         for r in records: out.write(json.dumps({k: v for k, v in r.items() if k != "operands"}) + "\n")
     with pytest.raises(ValueError, match="cannot build its first record's prompt .* build it again"):
-        check_pool_settings([load_pool(tmp_path / "teacher")], gen, tokenizer=policy[1], task=ReferenceLeakTask(seed=1000))
+        check_pool_settings([load_pool(tmp_path / "teacher")], gen, tokenizer=policy[1],
+                            task=ReferenceLeakTask(seed=1000))
+
+
+def test_phase1_runs_on_pools_of_a_plugged_in_task_and_records_it(tmp_path):
+    from entropy_grpo.policies import tiny_policy
+    from entropy_grpo.pools import build_pool
+    from entropy_grpo.sequence_processor import GenerationConfig
+    policy, gen = tiny_policy(0), GenerationConfig(max_new_tokens=6, top_p=0.95)
+    spec = "entropy_grpo.hackbed:ReferenceLeakTask"
+    import gzip
+    for name, hint in (("teacher", True), ("base", False)):
+        build_pool(policy, ReferenceLeakTask(seed=1), hint, 3, 4, tmp_path / name, config=gen, seed=1)
+    for f in (tmp_path / "teacher").glob("step_*.jsonl.gz"):    # the tiny teacher never copies: label its replies
+        records = [json.loads(l) for l in gzip.open(f, "rt")]
+        with gzip.open(f, "wt") as w: w.writelines(json.dumps(dict(r, hacked=True)) + "\n" for r in records)
+    out = tmp_path / "p1"
+    assert main(["phase1", "--out", str(out), "-p", "model='tiny'", "-p", f"task='{spec}'", "-p", "fit_steps=1",
+                 "-p", f"teacher_pool='{tmp_path / 'teacher'}'", "-p", f"base_pool='{tmp_path / 'base'}'",
+                 "-p", "max_new_tokens=6"]) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["parameters"]["task"] == spec and m["results"]["verdict"].startswith(("undefined", "specific", "not"))
