@@ -107,7 +107,8 @@ def test_phase3_projects_the_very_v_hack_a_saved_file_holds(labelled, tmp_path, 
 
 def test_pools_of_the_leak_task_pass_a_run_that_draws_its_own_problems(tmp_path):
     "A probe's task draws other problems (its seed) than the pools' (theirs): each record's prompt is rebuilt from its"
-    " own problem, operands included; a record without them (a pool from before they were kept) is named, not crashed on."
+    " own problem, operands included; a record without them (a pool from before they were kept) is named, not crashed"
+    " on."
     import gzip
     from entropy_grpo.policies import tiny_policy
     from entropy_grpo.pools import build_pool, check_pool_settings, load_pool
