@@ -6,6 +6,7 @@
 from __future__ import annotations
 import dataclasses, json, math, os, subprocess, sys, threading, time, warnings
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
 import torch
@@ -24,8 +25,8 @@ from .utils import check_choice, markdown_table
 
 # %% auto #0
 __all__ = ['QWEN3_4B', 'KNOWN_CONFIGS', 'TARGETS', 'BYTES', 'model_config', 'meta_model', 'model_shape', 'RunShape',
-           'plan_phases', 'template_presets', 'run_shape', 'plan', 'plan_report', 'add_plan_parser', 'PeakRSS',
-           'measure_cpu_peak']
+           'plan_phases', 'template_presets', 'run_shape', 'plan', 'this_device', 'plan_hours', 'plan_report',
+           'hours_report', 'add_plan_parser', 'PeakRSS', 'measure_cpu_peak']
 
 # %% ../nbs/07b_plan.ipynb #8ca8f271
 QWEN3_4B = dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -181,13 +182,45 @@ def run_shape(params:dict|None=None) -> tuple[str, RunShape]:
     return model, RunShape(**{**base, **params})
 
 def plan(params:dict|None=None) -> dict:
-    "The plan for `params`: model counts from the meta model, per-phase memory and FLOPs, whether it fits."
+    "The plan for `params`: model counts from the meta model, per-phase memory and FLOPs, whether it fits; with"
+    " `device` (default: this machine's) and `steps` (default 200), hours where that device's throughput was measured."
+    params = dict(params or {})
+    device, steps = params.pop("device", None) or this_device(), params.pop("steps", 200)
     model, run = run_shape(params)
     m = meta_model(model, getattr(torch, run.dtype))
     s = model_shape(m, run.lora_r)
-    return dict(model=model, run=dataclasses.asdict(run), shape=s, phases=plan_phases(s, run))
+    phases = plan_phases(s, run)
+    return dict(model=model, run=dataclasses.asdict(run), shape=s, phases=phases,
+                hours=plan_hours(phases, device, steps))
 
 # %% ../nbs/07b_plan.ipynb #ff2f01de
+def this_device() -> str:
+    "The name `throughput.json` files a device under: the current GPU's name, else 'cpu'."
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+def _record_rates(rec:dict) -> dict:
+    "FLOP/s per phase of one measured record: the plan's FLOPs of the work it timed over its seconds."
+    run, t = RunShape(**rec["run"]), rec["seconds"]
+    flops = {r["phase"]: r["flops"] for r in plan_phases(model_shape(meta_model(rec["model"], getattr(
+        torch, run.dtype)), run.lora_r), run)}
+    n_seq = run.prompts_per_step * run.G
+    return {"generation": flops["generation"] * t["generation_sequences"] / n_seq / t["generation"],
+            "training step": flops["training step"] * t["training_sequences"] / n_seq / t["training"],
+            "entropy probe": flops["entropy probe"] / t["probe"]}
+
+def plan_hours(phases:list[dict], device:str, steps:int=200) -> dict:
+    "Hours of a Phase-3 run of `steps` steps and of Phase 2's entropy probe on `device`, from its measured record."
+    recs = [r for r in json.loads((files("entropy_grpo")/"throughput.json").read_text())["records"]
+            if r["device"] == device]
+    if not recs: return dict(device=device, measured=False)
+    rate, f = _record_rates(recs[-1]), {r["phase"]: r["flops"] for r in phases}
+    step = f["generation"] / rate["generation"] + f["training step"] / rate["training step"]
+    return dict(device=device, measured=True, source=recs[-1]["source"], steps=steps, step_s=step,
+                rates_tflops={k: v / 1e12 for k, v in rate.items()},
+                phase3_h=(steps * step + f["v_hack"] / rate["training step"]) / 3600,
+                probe_h=f["entropy probe"] / rate["entropy probe"] / 3600)
+
+# %% ../nbs/07b_plan.ipynb #a3441af5
 def plan_report(p:dict) -> str:
     "The plan as text: the model's figures, one table row per phase, and the verdict for the GPU."
     s, run = p["shape"], p["run"]
@@ -209,14 +242,27 @@ def plan_report(p:dict) -> str:
     return "\n".join(lines) + markdown_table(rows, fmt="{:.1f}") + \
         (f"\n\nPhase 3 (the train template: generation, training step, v_hack) {fit(all(r['fits'] for r in p3))} a "
          f"{run['gpu_gb']:g} GB GPU: its largest phase is {big['phase']} at {big['bytes'] / 1e9:.1f} GB. Phase 2's "
-         f"float64 entropy probe ({probe['note']}): {probe['bytes'] / 1e9:.1f} GB, {fit(probe['fits'])}.")
+         f"float64 entropy probe ({probe['note']}): {probe['bytes'] / 1e9:.1f} GB, {fit(probe['fits'])}.") + \
+        "\n\n" + hours_report(p["hours"])
+
+def hours_report(h:dict) -> str:
+    "The hours as a sentence, with where their throughput was measured; or why there are none."
+    if not h["measured"]:
+        return (f"Hours: no throughput measured on {h['device']!r} (throughput.json has no record of it; -p "
+                "device='<a measured device>' gives that device's hours).")
+    r = h["rates_tflops"]
+    return (f"Hours on {h['device']}: a Phase-3 run of {h['steps']} steps {h['phase3_h']:.1f} h ({h['step_s']:.0f} s a "
+            f"step), Phase 2's entropy probe {h['probe_h'] * 60:.0f} min — at the TFLOP/s measured there (generation "
+            f"{r['generation']:.0f}, training step {r['training step']:.0f}, entropy probe {r['entropy probe']:.0f}; "
+            f"{h['source']}).")
 
 def add_plan_parser(sub):
     "The `plan` subcommand of the `entropy-grpo` command."
     p = sub.add_parser("plan", help="memory and FLOPs per phase (generation, training step, entropy probe, v_hack) "
                        "from the model's config on the meta device, no weights; and whether it fits the GPU")
     p.add_argument("-p", action="append", metavar="NAME=VALUE", help="preset (default full), model (config.json, "
-                   "directory, hub name, 'default', 'tiny'), arm, or a RunShape field (G, gpu_gb, dtype, ...)")
+                   "directory, hub name, 'default', 'tiny'), arm, a RunShape field (G, gpu_gb, dtype, ...), steps "
+                   "(default 200) and device (default this machine's) for hours")
 
 # %% ../nbs/07b_plan.ipynb #460cf5ff
 def _rss() -> int:

@@ -7,6 +7,7 @@ import pytest
 from fastcore.test import test_fail
 
 from entropy_grpo.cli import main
+from entropy_grpo.experiments import repo_root
 from entropy_grpo.plan import QWEN3_4B, meta_model, measure_cpu_peak, model_shape, plan
 
 
@@ -39,6 +40,17 @@ def test_full_preset_fits_80_gb_and_names_each_phase(capsys):
     assert "Phase 3 (the train template: generation, training step, v_hack) fits a 80 GB GPU" in out
     test_fail(lambda: plan(dict(preset="full", microbatch=2)), contains="unknown plan parameter(s) ['microbatch']",
               exc=ValueError)
+
+
+def test_hours_come_from_a_measured_device_and_the_readme_quotes_them(capsys):
+    h100 = "NVIDIA H100 80GB HBM3"
+    h = plan(dict(preset="full", device=h100))["hours"]
+    half = plan(dict(preset="full", device=h100, steps=100))["hours"]
+    assert h["measured"] and half["phase3_h"] < h["phase3_h"] / 2 + 0.01 and h["probe_h"] == half["probe_h"]
+    assert main(["plan", "-p", "preset=full", "-p", "device=cpu"]) == 0
+    assert "Hours: no throughput measured on 'cpu'" in capsys.readouterr().out
+    readme = (repo_root() / "README.md").read_text().replace("\n", " ")
+    assert f"200 steps on Qwen3-4B come to {h['phase3_h']:.1f} hours there ({h['step_s']:.0f} s a step" in readme
 
 
 @pytest.mark.slow
