@@ -105,8 +105,8 @@ def _add_pools_command(sub, common):
     po.add_argument("--max-new-tokens", type=int, default=probe["max_new_tokens"])
     po.add_argument("--temperature", type=float, default=probe["temperature"])
     po.add_argument("--top-p", type=float, default=probe["top_p"])
-    po.add_argument("--task", default="", help="'' (arithmetic), 'package.module:Name' or a .jsonl file (give a "
-                    "style-matched pool its teacher's)")
+    po.add_argument("--task", default="", help="'' (arithmetic), 'package.module:Name', 'file.py:Name' or a .jsonl "
+                    "file (recorded in pool.json; a style-matched pool takes its teacher's)")
 
 # %% ../nbs/07c_cli.ipynb #436e3232
 def cli_parser() -> argparse.ArgumentParser:
@@ -240,6 +240,8 @@ def _cli_pools(a) -> int:
                                                                   integer=True)
     teacher, kw = _pool_settings(a)
     a.model, a.task = (resolve_paths(dict(model=a.model, task=a.task))[k] for k in ("model", "task"))
+    a.task = _teacher_task(a, teacher)
+    load_task(a.task, defaults=dict(seed=kw["seed"]))        # a task that does not load: refused before the model
     try: policy = policy_by_name(a.model, kw["seed"])
     except OSError as e:
         raise ValueError(f"--model {a.model!r}: expected 'default', 'tiny', a model directory or a hub name "
@@ -248,6 +250,14 @@ def _cli_pools(a) -> int:
         raise ValueError(f"--model {a.model!r}: the teacher pool {a.style_of!r} was sampled by "
                          f"{teacher.settings['model']!r}; expected that model (a style pool is the teacher without "
                          "the hint)")
-    pool = build_pool(policy, load_task(a.task, defaults=dict(seed=kw["seed"])), a.hint, out_dir=out, **kw)
+    pool = build_pool(policy, a.task, a.hint, out_dir=out, **kw)
     if a.style_of: check_style_pool(teacher, pool)
     return 0
+
+def _teacher_task(a, teacher) -> str:
+    "The task a pool is built with: --task, or a style pool's teacher's (recorded in its pool.json); they must agree."
+    had = (teacher.settings.get("task") or "") if teacher is not None else ""
+    if had and a.task and a.task != had:
+        raise ValueError(f"--task {a.task!r}: the teacher pool {a.style_of!r} was built with task {had!r}; expected "
+                         "that task (or no --task: a style pool takes its teacher's)")
+    return a.task or had

@@ -165,7 +165,7 @@ def build_pools(self:Phase2Run) -> dict:
     c = self.cfg
     if c.teacher_pool:
         self.pools = [load_pool(d) for d in (c.teacher_pool, c.base_pool, c.style_pool) if d]
-        check_pool_settings(self.pools, self.gen, tokenizer=self.tok, task=self.task)
+        check_pool_settings(self.pools, self.gen, tokenizer=self.tok, task=self.task, task_spec=c.task)
         check_pool_settings(self.pools[1:2], self.gen, None if c.model == "tiny" else self.policy.config._name_or_path)
     else:
         self.pools, _ = teacher_and_base_pools(self.policy, self.tok, self.task, self.gen, self.out/"pools",

@@ -15,7 +15,7 @@ from fastcore.basics import patch
 
 from .dist import shard_slice
 from .sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor, pack_sequences
-from .tasks import Problem
+from .tasks import Problem, load_task
 from .training import Rollout, TrainConfig
 from .utils import atomic_path, check_choice, check_range, write_json
 
@@ -205,7 +205,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 # %% ../nbs/04a_pools.ipynb #3728293d
 def build_pool(
     policy,                    # (model, tokenizer) or a SequenceProcessor
-    task,                      # a `tasks.Task` (sample / prompt / grade_batch)
+    task,                      # a `tasks.Task`, or its spec as `tasks.load_task` takes it (then recorded in pool.json)
     hint:bool|str,             # True or a text: prompts carry the hint (teacher pool); False: no hint (base pool)
     steps:int|list[int],       # number of step files (0..steps-1) or the step indices to write
     batch:int,                 # samples per step file
@@ -223,7 +223,9 @@ def build_pool(
     sp, step_ids = _pool_processor(policy, config), _pool_steps(G, batch, steps)
     d = Path(out_dir); d.mkdir(parents=True, exist_ok=True)
     adapter = hasattr(sp.model, "disable_adapter") and not base_only
-    settings = dict(src_pool=name or d.name, model=str(getattr(sp.model.config, "_name_or_path", "")),
+    spec = {"task": task or "arithmetic"} if isinstance(task, str) else {}
+    if spec: task = load_task(task, defaults=dict(seed=seed))
+    settings = dict(src_pool=name or d.name, **spec, model=str(getattr(sp.model.config, "_name_or_path", "")),
                     tokenizer=tokenizer_fingerprint(sp.tokenizer),
                     temperature=sp.config.temperature, top_p=sp.config.top_p, top_k=sp.config.top_k,
                     max_new_tokens=sp.config.max_new_tokens, hint=hint, base_only=base_only, adapter=adapter,
@@ -382,10 +384,12 @@ def check_pool_settings(
     model:str|None=None,       # the run's model name (as `model.config._name_or_path`); None: not checked
     tokenizer=None,            # the run's: the pools' tokenizer fingerprint; with `task`, the prompts it builds
     task=None,                 # the run's Task (its prompt format); None: prompts not checked
+    task_spec:str|None=None,   # the run's task as named (`load_task`): a pool that recorded its own must match
 ):
     "ValueError naming every setting a pool was sampled under that differs from the run's."
     want = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                 max_new_tokens=config.max_new_tokens, **({} if model is None else dict(model=model)),
+                **({} if task_spec is None else dict(task=task_spec or "arithmetic")),
                 **({} if tokenizer is None else dict(tokenizer=tokenizer_fingerprint(tokenizer))))
     diffs = []
     for p in pools:

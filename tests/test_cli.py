@@ -187,3 +187,13 @@ def test_run_command_help_prints_its_text_as_written(capsys):
         with pytest.raises(SystemExit): main([cmd, "--help"])
         out = capsys.readouterr().out
         assert text in out and "%%" not in out, out
+
+
+def test_a_style_pool_takes_its_teachers_task_and_refuses_another(tmp_path, capsys):
+    spec, small = "entropy_grpo.hackbed:ReferenceLeakTask", ["--steps", "1", "--batch", "2", "--max-new-tokens", "4"]
+    assert main(["pools", str(tmp_path / "t"), "--model", "tiny", "--task", spec, "--hint", *small]) == 0
+    refused(capsys, ["pools", str(tmp_path / "x"), "--model", "tiny", "--task", "arithmetic", "--style-of",
+                     str(tmp_path / "t")], f"was built with task {spec!r}; expected that task")
+    assert not (tmp_path / "x").exists()
+    assert main(["pools", str(tmp_path / "s"), "--model", "tiny", "--style-of", str(tmp_path / "t")]) == 0
+    assert json.loads((tmp_path / "s" / "pool.json").read_text())["task"] == spec
