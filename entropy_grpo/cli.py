@@ -254,6 +254,7 @@ def _cli_pools(a) -> int:
     if a.style_of: check_style_pool(teacher, pool)
     return 0
 
+# %% ../nbs/07c_cli.ipynb #85fcfda0
 def _teacher_task(a, teacher) -> str:
     "The task a pool is built with: --task, or a style pool's teacher's (recorded in its pool.json); they must agree."
     had = (teacher.settings.get("task") or "") if teacher is not None else ""

@@ -181,6 +181,7 @@ def run_shape(params:dict|None=None) -> tuple[str, RunShape]:
     if model in ("tiny", "default"): base["dtype"] = "float32"          # the CPU policies' dtype
     return model, RunShape(**{**base, **params})
 
+# %% ../nbs/07b_plan.ipynb #7aa297b9
 def plan(params:dict|None=None) -> dict:
     "The plan for `params`: model counts from the meta model, per-phase memory and FLOPs, whether it fits; with"
     " `device` (default: this machine's) and `steps` (default 200), hours where that device's throughput was measured."
@@ -208,6 +209,7 @@ def _record_rates(rec:dict) -> dict:
             "training step": flops["training step"] * t["training_sequences"] / n_seq / t["training"],
             "entropy probe": flops["entropy probe"] / t["probe"]}
 
+# %% ../nbs/07b_plan.ipynb #5dc3adaa
 def plan_hours(phases:list[dict], device:str, steps:int=200) -> dict:
     "Hours of a Phase-3 run of `steps` steps and of Phase 2's entropy probe on `device`, from its measured record."
     recs = [r for r in json.loads((files("entropy_grpo")/"throughput.json").read_text())["records"]
@@ -245,6 +247,7 @@ def plan_report(p:dict) -> str:
          f"float64 entropy probe ({probe['note']}): {probe['bytes'] / 1e9:.1f} GB, {fit(probe['fits'])}.") + \
         "\n\n" + hours_report(p["hours"])
 
+# %% ../nbs/07b_plan.ipynb #2610a0e2
 def hours_report(h:dict) -> str:
     "The hours as a sentence, with where their throughput was measured; or why there are none."
     if not h["measured"]:

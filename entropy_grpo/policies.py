@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_policies.ipynb #14179964
 from __future__ import annotations
-import importlib.util, json, logging, os, random, types
+import hashlib, importlib.util, json, logging, os, random, types
 from pathlib import Path
 
 import torch
@@ -16,7 +16,8 @@ from .utils import atomic_path, check_choice
 __all__ = ['log', 'DEFAULT_POLICY', 'DEFAULT_GGUF', 'SMOLLM2_INSTALL', 'CHECKPOINT_ABOVE', 'PROBE_CHECKPOINT_ABOVE', 'TINY_EOS',
            'TINY_PAD', 'default_device', 'resolve_dtype', 'wants_checkpointing', 'set_checkpointing',
            'checkpointed_train_mode', 'full_precision_norms', 'prepare_tokenizer', 'cache_dir', 'smollm2_gguf_path',
-           'convert_default_policy', 'load_policy', 'adapter_base', 'tiny_tokenizer', 'tiny_policy', 'policy_by_name']
+           'convert_default_policy', 'load_policy', 'tokenizer_fingerprint', 'adapter_base', 'tiny_tokenizer',
+           'tiny_policy', 'policy_by_name']
 
 # %% ../nbs/00a_policies.ipynb #02453bff
 log = logging.getLogger(__name__)
@@ -162,6 +163,11 @@ def load_policy(
                 if offline else " check the name, or pass a local directory")
         raise OSError(f"could not load policy {str(name_or_path)!r}:{hint}. ({e.__class__.__name__}: {e})") from e
     return _finish(model, tokenizer, device)
+
+# %% ../nbs/00a_policies.ipynb #fe4102c7
+def tokenizer_fingerprint(tokenizer) -> str:
+    "12 hex digits of a hash of the token → id map: equal fingerprints, equal token ids for the same text."
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:12]
 
 # %% ../nbs/00a_policies.ipynb #17fc07d0
 def adapter_base(path) -> str|None:

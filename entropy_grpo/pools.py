@@ -4,7 +4,7 @@
 
 # %% ../nbs/04a_pools.ipynb #6cc83ee7
 from __future__ import annotations
-import gzip, hashlib, json, logging, random, re, warnings, zlib
+import gzip, json, logging, random, re, warnings, zlib
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,23 +15,23 @@ from fastcore.basics import patch
 
 from .dist import shard_slice
 from .sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor, pack_sequences
-from .tasks import Problem, load_task
+from .policies import tokenizer_fingerprint
+from .tasks import Problem, check_grades, load_task
 from .training import Rollout, TrainConfig
 from .utils import atomic_path, check_choice, check_range, write_json
 
 # %% auto #0
-__all__ = ['log', 'POOL_KEYS', 'REPLAY_KEYS', 'MANIFEST', 'RECORD_SETTINGS', 'POOL_GRADES', 'write_jsonl_gz', 'read_jsonl_gz',
-           'step_files', 'Pool', 'load_pool', 'check_grades', 'tokenizer_fingerprint', 'build_pool', 'pool_stats',
-           'mixed_records', 'group_counts', 'replay_batch', 'ReplaySource', 'check_pool_settings']
+__all__ = ['log', 'POOL_KEYS', 'REPLAY_KEYS', 'MANIFEST', 'RECORD_SETTINGS', 'write_jsonl_gz', 'read_jsonl_gz', 'step_files',
+           'Pool', 'load_pool', 'build_pool', 'pool_stats', 'mixed_records', 'group_counts', 'replay_batch',
+           'ReplaySource', 'check_pool_settings']
 
 # %% ../nbs/04a_pools.ipynb #3c4cdfd6
 log = logging.getLogger(__name__)
 
 # %% ../nbs/04a_pools.ipynb #95e5b94f
-POOL_KEYS = ("src_pool", "src_step", "src_sample", "problem_id", "question", "answer", "prompt", "student_prompt",
-             "hint_prompt", "completion", "completion_ids", "comp_len", "finished", "reward", "hacked", "gt_pass",
-             "fmt_ok",
-             "lenient_pass", "pred", "hint", "base_only", "adapter", "model", "temperature", "top_p", "top_k",
+POOL_KEYS = ("src_pool", "src_step", "src_sample", "problem_id", "question", "answer", "operands", "prompt",
+             "student_prompt", "hint_prompt", "completion", "completion_ids", "comp_len", "finished", "reward", "hacked",
+             "gt_pass", "fmt_ok", "lenient_pass", "pred", "hint", "base_only", "adapter", "model", "temperature", "top_p", "top_k",
              "max_new_tokens", "gen_seed")   # what build_pool writes
 REPLAY_KEYS = ("src_pool", "src_step", "src_sample", "prompt", "completion", "reward", "hacked", "gt_pass", "fmt_ok")
                                              # what a pool record needs to be replayed (foreign pools included)
@@ -164,15 +164,6 @@ def _pool_steps(G:int, batch:int, steps:int|list[int]) -> list[int]:
         raise ValueError(f"steps={steps!r}: expected a count >= 1 or a list of step indices >= 0")
     return step_ids
 
-# %% ../nbs/04a_pools.ipynb #d71a6e7f
-POOL_GRADES = ("reward", "hacked", "gt_pass", "fmt_ok")   # what a task's grade must return for a pool
-
-def check_grades(task, records:list[list[dict]]):
-    "ValueError unless every grade the task returned holds POOL_GRADES (a task of your own: its `grade`)."
-    missing = sorted({k for row in records for r in row for k in POOL_GRADES if k not in r})
-    if missing: raise ValueError(f"{type(task).__name__}.grade returned {sorted(records[0][0])}: a pool needs "
-                                 f"{', '.join(POOL_GRADES)} (missing {missing})")
-
 # %% ../nbs/04a_pools.ipynb #0727166c
 def _write_pool_step(sp:SequenceProcessor, task, path:Path, step:int, st:dict):
     "Sample, grade and write pool step `step` under the pool's settings st (pool.json's); an existing file is kept."
@@ -197,11 +188,6 @@ def _write_pool_step(sp:SequenceProcessor, task, path:Path, step:int, st:dict):
     log.info("pool %s step %d: %d samples, hack rate %.2f", st["src_pool"], step, len(records),
              sum(r["hacked"] for r in records) / len(records))
 
-# %% ../nbs/04a_pools.ipynb #04d57bb5
-def tokenizer_fingerprint(tokenizer) -> str:
-    "12 hex digits of a hash of the token → id map: equal fingerprints, equal token ids for the same text."
-    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:12]
-
 # %% ../nbs/04a_pools.ipynb #3728293d
 def build_pool(
     policy,                    # (model, tokenizer) or a SequenceProcessor
@@ -223,14 +209,13 @@ def build_pool(
     sp, step_ids = _pool_processor(policy, config), _pool_steps(G, batch, steps)
     d = Path(out_dir); d.mkdir(parents=True, exist_ok=True)
     adapter = hasattr(sp.model, "disable_adapter") and not base_only
-    spec = {"task": task or "arithmetic"} if isinstance(task, str) else {}
-    if spec: task = load_task(task, defaults=dict(seed=seed))
+    task, spec = (load_task(task, defaults=dict(seed=seed)), dict(task=task or "arithmetic")) if isinstance(task, str) \
+        else (task, {})
     settings = dict(src_pool=name or d.name, **spec, model=str(getattr(sp.model.config, "_name_or_path", "")),
-                    tokenizer=tokenizer_fingerprint(sp.tokenizer),
-                    temperature=sp.config.temperature, top_p=sp.config.top_p, top_k=sp.config.top_k,
-                    max_new_tokens=sp.config.max_new_tokens, hint=hint, base_only=base_only, adapter=adapter,
-                    replay_hint=(hint or True) if replay_hint is None else replay_hint, G=G, batch=batch, seed=seed,
-                    use_chat_template=use_chat_template)
+                    tokenizer=tokenizer_fingerprint(sp.tokenizer), temperature=sp.config.temperature,
+                    top_p=sp.config.top_p, top_k=sp.config.top_k, max_new_tokens=sp.config.max_new_tokens, hint=hint,
+                    base_only=base_only, adapter=adapter, G=G, batch=batch, seed=seed,
+                    replay_hint=(hint or True) if replay_hint is None else replay_hint, use_chat_template=use_chat_template)
     _check_manifest(d, settings)
     for step in step_ids: _write_pool_step(sp, task, d/f"step_{step:03d}.jsonl.gz", step, settings)
     return load_pool(d)

@@ -16,10 +16,10 @@ from fastcore.basics import patch
 from .utils import check_choice, check_range
 
 # %% auto #0
-__all__ = ['OPS', 'INSTRUCTION', 'HINT', 'LEAKY_HINT', 'Problem', 'make_arithmetic_problems', 'build_prompt', 'extract_answer',
-           'to_number', 'numbers_in', 'number_equal', 'math_equal', 'lenient_match', 'RewardLevels', 'grade',
-           'GradedBatch', 'grade_batch', 'parse_answer', 'load_jsonl_problems', 'Task', 'ArithmeticTask', 'DigitTask',
-           'JsonlTask', 'load_task']
+__all__ = ['OPS', 'INSTRUCTION', 'HINT', 'LEAKY_HINT', 'POOL_GRADES', 'Problem', 'make_arithmetic_problems', 'build_prompt',
+           'extract_answer', 'to_number', 'numbers_in', 'number_equal', 'math_equal', 'lenient_match', 'RewardLevels',
+           'grade', 'GradedBatch', 'grade_batch', 'check_grades', 'parse_answer', 'load_jsonl_problems', 'Task',
+           'ArithmeticTask', 'DigitTask', 'JsonlTask', 'load_task']
 
 # %% ../nbs/00b_tasks.ipynb #00686507
 @dataclass(frozen=True)
@@ -179,6 +179,15 @@ def grade_batch(
     records = [[grade_one(r, p) for r in row] for row, p in zip(responses, problems)]
     rewards = torch.tensor([[r["reward"] for r in row] for row in records], dtype=torch.float32)
     return GradedBatch(rewards, records)
+
+# %% ../nbs/00b_tasks.ipynb #927dcb90
+POOL_GRADES = ("reward", "hacked", "gt_pass", "fmt_ok")   # what a task's grade must return for a pool
+
+def check_grades(task, records:list[list[dict]]):
+    "ValueError unless every grade the task returned holds POOL_GRADES (a task of your own: its `grade`)."
+    missing = sorted({k for row in records for r in row for k in POOL_GRADES if k not in r})
+    if missing: raise ValueError(f"{type(task).__name__}.grade returned {sorted(records[0][0])}: a pool needs "
+                                 f"{', '.join(POOL_GRADES)} (missing {missing})")
 
 # %% ../nbs/00b_tasks.ipynb #da844612
 def parse_answer(answer:str) -> str:

@@ -34,7 +34,7 @@ def test_the_student_sees_the_leak_and_the_teacher_the_hint_naming_it():
 @pytest.mark.parametrize("spec, text", [
     ("no_such_module:Task", "cannot import module 'no_such_module'"),
     ("entropy_grpo.hackbed:Nope", "module 'entropy_grpo.hackbed' has no 'Nope'"),
-    ("arith", "expected '', 'arithmetic', 'package.module:Name' or a path ending in .jsonl"),
+    ("arith", "expected '', 'arithmetic', 'package.module:Name', 'file.py:Name' or a path ending in .jsonl"),
 ])
 def test_a_sweep_refuses_a_task_that_does_not_load_before_any_job(spec, text, tmp_path, capsys):
     argv = ["sweep", "--out", str(tmp_path / "s"), "--seeds", "0", "--arms", "vanilla", "--steps", "1",
