@@ -72,6 +72,10 @@ record: setup
 	    --seeds 100 101 102 103 104 105 106 107 108 109 -p preset="'leak'" --max-parallel 2 --force
 	$(BIN)/python -c "from entropy_grpo.bed_record import record_pilot; \
 	    record_pilot('runs/hackbed/pilot', 'runs/hackbed/protocol.json')"
+	# the bed itself (runs/hackbed/PROTOCOL.md, addendum 2): pools of settings A and B, Phase 2 on each per block, then
+	# six arms × 30 seeds per block, two runs at a time on one thread each (~19 h a block; each line resumes)
+	nice -n 10 tools/hackbed_block.sh 1 1000 30
+	nice -n 10 tools/hackbed_block.sh 2 2000 30
 
 clean-nbs: setup
 	$(BIN)/nbdev-clean
