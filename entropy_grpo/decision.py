@@ -14,7 +14,7 @@ from .gate import Z80, hack_contrast, own_direction, samples_needed  # noqa: F40
 from .utils import check_range, markdown_table, welch
 
 # %% auto #0
-__all__ = ['LISTED_VERDICTS', 'verification_table', 'table_markdown', 'decide', 'pool_flags', 'entropy_probe_row',
+__all__ = ['LISTED_VERDICTS', 'NEXT_STEPS', 'verification_table', 'table_markdown', 'decide', 'pool_flags', 'entropy_probe_row',
            'calibration_file', 'error_rates', 'rates_markdown']
 
 # %% ../nbs/06a_decision.ipynb #db3e0af3
@@ -246,6 +246,37 @@ def decide(
     return dict(recommendation=rec, launch_phase3=rec.startswith("launch"), stop=rec.startswith("STOP"),
                 signal=specific and ok("cos_in"), specific=specific, effective=effective, rules=rules,
                 to_decide=gate[0] if gate and rec.startswith("inconclusive") else None)
+
+# %% ../nbs/06a_decision.ipynb #0e48679e
+NEXT_STEPS = {   # recommendation -> (what it rests on, what to do)
+    "launch Phase 3": (
+        "the gate (held-out hacked samples lie along v_hack more than clean samples in the teacher's own style, beyond "
+        "a permutation null), the GRPO gradient along v_hack beyond random directions, and the projection removing "
+        "more of the optimizer's step along v_hack than control directions",
+        "run Phase 3 with this run's `v_hack.safetensors`"),
+    "launch Phase 3, expect a smaller effect": (
+        "the same, but the gradient is not along v_hack beyond random directions",
+        "Phase 3 may still show an effect; plan seeds for a smaller one"),
+    "skip Phase 3": (
+        "the gradient and the hacked samples' contributions sit where random directions do",
+        "projection would remove nothing: look for another hack direction or teacher"),
+    "inconclusive: v_hack follows the teacher pool, not hacking": (
+        "the gate failed: v_hack holds the teacher's style",
+        "a teacher whose hack differs from its style, or its style-matched pool"),
+    f"inconclusive: {COINCIDE}": (
+        "(two pools) every teacher sample hacks, so no contrast separates hacking from the teacher",
+        "add the style-matched pool (`pools --style-of`)"),
+    f"inconclusive: {TOO_FEW}": (
+        "one side of the gate has fewer samples than it needs",
+        "the report names the `steps` and `pool_steps` that would decide"),
+    "inconclusive: the data cannot decide": (
+        "the replayed groups have no reward spread, so no gradient",
+        "pools whose rewards differ within a group"),
+    "inconclusive": (
+        "the gate passes, but the projection removes no more of the step along v_hack than control directions",
+        "a larger k, or the LoRA arm (`arm=projected_lora`), before Phase 3"),
+    "STOP (bug)": ("the projection pushed components past zero", "a bug: report it"),
+}
 
 # %% ../nbs/06a_decision.ipynb #ce1d62e0
 def pool_flags(pools:list, teacher_min_hack:float=0.5, base_min_reward:float=0.5) -> list[str]:

@@ -8,6 +8,7 @@ import datetime as dt, fcntl, json, math, os, re, shutil, socket, sys, time, tra
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+from .decision import NEXT_STEPS
 from .template_params import (MINIMA, POSITIVE, TEMPLATES, check_parameters, checkout,  # noqa: F401
                                           git_sha, repo_root, resolve_paths, template_path)  # (importable here too)
 from .utils import atomic_path, check_range, json_default, write_json
@@ -360,7 +361,9 @@ def run_summary(out:dict) -> str:
         return "\n".join([f"Run {out['status']}: {out.get('error', '').splitlines()[0]}"] + where +
                           [f"kernel log: {_rel(run_dir/'kernel.log')}"] * (run_dir/"kernel.log").exists())
     res, lines = m.get("results", {}), []
-    if rec := res.get("decision", {}).get("recommendation"): lines.append(f"Recommendation: {rec}")
+    if rec := res.get("decision", {}).get("recommendation"):
+        lines += [f"Recommendation: {rec}"] + [f"  {k}: {v}" for k, v in zip(("rests on", "next"),
+                                                                                NEXT_STEPS.get(rec, ()))]
     elif m.get("summary"): lines.append(f"Summary: {m['summary']}")
     verdicts = res.get("verification", [])
     if verdicts: lines.append("Verification table:")

@@ -2,13 +2,14 @@
 controls — the gate (hacked vs clean within the teacher pool) included — and the decision follows every branch; the
 gate's statistic removes the sign of the advantage; the recorded calibration reads back."""
 import random
+from pathlib import Path
 
 import numpy as np
 
 import pytest
 from fastcore.test import test_fail
 
-from entropy_grpo.decision import decide, error_rates, pool_flags, rates_markdown, verification_table
+from entropy_grpo.decision import NEXT_STEPS, decide, error_rates, pool_flags, rates_markdown, verification_table
 from entropy_grpo.gate import hack_contrast, own_direction
 from entropy_grpo.phase2 import decide as decide_from_phase2
 from entropy_grpo.pools import Pool
@@ -137,7 +138,7 @@ def test_between_arm_rows_and_bad_input():
 ])
 def test_decision_branches(kw, recommendation):
     d = decide(verification_table(synthetic(**kw))[0])
-    assert d["recommendation"] == recommendation, d
+    assert d["recommendation"] == recommendation and recommendation in NEXT_STEPS, d   # and it says what to do next
     assert d["launch_phase3"] == recommendation.startswith("launch") and d["stop"] == recommendation.startswith("STOP")
     assert not d["launch_phase3"] or d["specific"]                                  # every launch passed the gate
 
@@ -267,3 +268,9 @@ def test_pool_flags_name_a_style_pool_that_hacks():
     flags = pool_flags([pool("teacher", [True] * 4), pool("base", [False] * 4), pool("style", [True, True, False])])
     assert flags == ["style-matched pool hacks on 67% of samples without the hint: few clean samples in the "
                      "teacher's style"]
+
+
+def test_the_readme_table_of_verdicts_says_what_the_terminal_says():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for rec, (rests, todo) in NEXT_STEPS.items():
+        assert f"| {rec} | {rests} | {todo} |" in readme, rec
