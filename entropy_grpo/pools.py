@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 # %% ../nbs/04a_pools.ipynb #95e5b94f
 POOL_KEYS = ("src_pool", "src_step", "src_sample", "problem_id", "question", "answer", "operands", "prompt",
              "student_prompt", "hint_prompt", "completion", "completion_ids", "comp_len", "finished", "reward", "hacked",
-             "gt_pass", "fmt_ok", "lenient_pass", "pred", "hint", "base_only", "adapter", "model", "temperature", "top_p", "top_k",
-             "max_new_tokens", "gen_seed")   # what build_pool writes
+             "gt_pass", "fmt_ok", "lenient_pass", "pred", "hint", "base_only", "adapter", "model", "temperature",
+             "top_p", "top_k", "max_new_tokens", "gen_seed")   # what build_pool writes
 REPLAY_KEYS = ("src_pool", "src_step", "src_sample", "prompt", "completion", "reward", "hacked", "gt_pass", "fmt_ok")
                                              # what a pool record needs to be replayed (foreign pools included)
 _POOL_FILE = re.compile(r"step_(\d+)\.jsonl\.gz")

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from fastcore.basics import patch
 
-from .utils import check_choice, check_range
+from .utils import check_choice, check_range, split_task_spec
 
 # %% auto #0
 __all__ = ['OPS', 'INSTRUCTION', 'HINT', 'LEAKY_HINT', 'POOL_GRADES', 'Problem', 'make_arithmetic_problems', 'build_prompt',
@@ -316,7 +316,7 @@ def load_task(
 # %% ../nbs/00b_tasks.ipynb #f66fc064
 def _import_task(spec:str):
     "The object `spec` = 'package.module:Name' or 'file.py:Name' names; a ValueError saying which part is missing."
-    module, _, name = spec.rpartition(":") if ".py:" in spec else spec.partition(":")
+    module, name = split_task_spec(spec)
     if not module or not name:
         raise ValueError(f"task={spec!r}: expected '', 'arithmetic', 'package.module:Name', 'file.py:Name' or a path "
                          "ending in .jsonl")

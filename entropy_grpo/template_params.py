@@ -9,7 +9,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from . import __version__
-from .utils import check_range
+from .utils import check_range, split_task_spec
 
 # %% auto #0
 __all__ = ['TEMPLATES', 'MINIMA', 'POSITIVE', 'checkout', 'repo_root', 'template_path', 'git_sha', 'check_parameters',
@@ -111,5 +111,6 @@ def resolve_paths(parameters:dict) -> dict:
 
 def _task_file_resolved(spec:str) -> str:
     "A task spec naming a file ('data.jsonl', 'mytask.py:Name') with the file's path made absolute; others as given."
-    file, sep, name = spec.rpartition(":") if ".py:" in spec else (spec, "", "")
-    return str(Path(file).expanduser().resolve()) + sep + name if file.endswith((".py", ".jsonl")) else spec
+    file, name = split_task_spec(spec)
+    if not file.endswith((".py", ".jsonl")): return spec
+    return str(Path(file).expanduser().resolve()) + (f":{name}" if name else "")

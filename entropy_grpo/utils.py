@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['check_range', 'check_choice', 'TemplateConfig', 'atomic_path', 'json_default', 'clean_json', 'write_json',
-           'save_figure', 'welch', 'wilson', 'row_cosines', 'markdown_table', 'tqdm_disable', 'base_optimizer',
-           'trim_memory']
+__all__ = ['check_range', 'check_choice', 'split_task_spec', 'TemplateConfig', 'atomic_path', 'json_default', 'clean_json',
+           'write_json', 'save_figure', 'welch', 'wilson', 'row_cosines', 'markdown_table', 'tqdm_disable',
+           'base_optimizer', 'trim_memory']
 
 # %% ../nbs/00c_utils.ipynb #ebe88024
 def check_range(
@@ -43,6 +43,12 @@ def check_choice(name:str, value, choices):
     "Return `value` if it is one of `choices`; else a ValueError listing them."
     if value not in choices: raise ValueError(f"{name}={value!r}: expected one of {tuple(choices)}")
     return value
+
+# %% ../nbs/00c_utils.ipynb #3dba7123
+def split_task_spec(spec:str) -> tuple[str, str]:
+    "(module or file, name) of 'package.module:Name' or 'path/file.py:Name'; a '.jsonl' path is (path, '')."
+    if spec.endswith(".jsonl"): return spec, ""
+    return tuple(spec.rpartition(":")[::2] if ".py:" in spec else spec.partition(":")[::2])
 
 # %% ../nbs/00c_utils.ipynb #39dc960d
 class TemplateConfig:
