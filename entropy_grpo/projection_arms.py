@@ -116,6 +116,11 @@ def to(self:VHack, device) -> "VHack":
     return VHack({n: v.to(device) for n, v in self.V.items()}, self.meta, self.S, self.vote)
 
 @patch
+def at(self:VHack) -> "VHack":
+    "Itself: its rows do not move with θ (a v_hack carried into a LoRA does: `carry.CarriedVHack.at`)."
+    return self
+
+@patch
 def check(self:VHack, adapter:Adapter) -> "VHack":
     "ValueError when this v_hack was made for another model, adapter, target set or shape; else self."
     check_signature(adapter.signature(), self.meta["adapter"], f"v_hack ({self.meta.get('source', 'pairs')})",

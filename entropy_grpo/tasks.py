@@ -272,6 +272,29 @@ def sample(self:Task, n:int, rng:random.Random|int=0, replace:bool=False) -> lis
     rng = rng if isinstance(rng, random.Random) else random.Random(rng)
     return rng.choices(self.problems, k=n) if replace else rng.sample(self.problems, n)
 
+# %% ../nbs/00b_tasks.ipynb #968d62ad
+@patch
+def trl_dataset(self:Task, tokenizer, hint:bool|str=False):
+    "The problems as a TRL prompt dataset: `prompt` as the probe builds it, `problem_id` for `trl_rewards`."
+    from datasets import Dataset
+    ids = [p.id for p in self.problems]
+    if len(set(ids)) < len(ids):
+        raise ValueError(f"{type(self).__name__} has {len(ids) - len(set(ids))} repeated problem ids: a reward "
+                         "function finds each row's problem by its id, so give every problem its own")
+    return Dataset.from_dict(dict(prompt=[self.prompt(p, tokenizer, hint) for p in self.problems], problem_id=ids))
+
+@patch
+def trl_rewards(self:Task, keys:tuple=("reward", "hacked", "gt_pass")) -> list:
+    "TRL reward functions, one per key of the task's grade (named after it), for rows of `trl_dataset`."
+    by_id = {p.id: p for p in self.problems}
+    def of(key):
+        def reward(prompts, completions, problem_id, **kw) -> list[float]:
+            graded = self.grade_batch([[c] for c in completions], [by_id[i] for i in problem_id])
+            return [float(row[0][key]) for row in graded.records]
+        reward.__name__ = reward.__qualname__ = key
+        return reward
+    return [of(k) for k in keys]
+
 # %% ../nbs/00b_tasks.ipynb #77eb9362
 class ArithmeticTask(Task):
     "A pool of generated arithmetic problems, graded by exact number equality."

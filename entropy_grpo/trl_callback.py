@@ -13,6 +13,7 @@ from torch import Tensor
 from fastcore.basics import patch
 
 from .adapters import Adapter
+from .carry import for_adapter
 from .delta_entropy_is import DeltaEntropyIS, importance_config
 from .dist import all_reduce_sum, rank
 from .predictors import covariance_from_sums, covariance_sums
@@ -186,7 +187,7 @@ class GRPOProbe:
         self,
         trainer,                        # the trl.GRPOTrainer this callback measures
         config:ProbeConfig|dict|None=None,
-        v_hack:VHack|None=None,         # per-module directions in `adapter`'s space (cos_in every step; project)
+        v_hack:VHack|None=None,         # in `adapter`'s space, or Phase 2's δS one (carried) (cos_in every step; project)
         adapter:Adapter|None=None,      # the run's trainable parameters grouped per module (LoraAdapter.from_peft, …)
         prompts:list|None=None,         # E's prompts as the train set has them; None: the first n_prompts rows
     ):
@@ -200,7 +201,7 @@ class GRPOProbe:
         if c.project and v_hack is None: raise ValueError("project=True needs a v_hack (and its adapter)")
         if v_hack is not None:
             if adapter is None: raise ValueError("a v_hack needs the adapter it was extracted in")
-            v_hack = v_hack.check(adapter).to(adapter.parameters()[0].device)
+            v_hack = for_adapter(v_hack, adapter)
         self.trainer, self.v_hack, self.adapter, self.prompts, self.E = trainer, v_hack, adapter, prompts, None
         self.generation = sampling_config(trainer, c.num_generations)
         self.history, self.entropy_hook, self.loss_weights, self._pending, self._rb = [], None, None, None, {}
@@ -304,7 +305,7 @@ def on_pre_optimizer_step(self:GRPOProbe, args, state, control, **kw):
         lr = self.trainer.optimizer.param_groups[0]["lr"]
         self._log(dict(pred_covariance=covariance_from_sums(all_reduce_sum([sums])[0], lr)))
     if self.v_hack is not None:
-        new, st = arm_step(self.adapter.flat_grads(), self.v_hack.V, c.project, c.gate, c.overshoot)
+        new, st = arm_step(self.adapter.flat_grads(), self.v_hack.at().V, c.project, c.gate, c.overshoot)
         if c.project: self.adapter.set_flat_grads(new)
         self._log({f"{k}_{io}": st[f"{k}_{io}"] for k in COS_KEYS for io in ("in", "out")} |
                   dict(frac_fired=st["frac_fired"]))

@@ -8,7 +8,7 @@ PKG = Path(__file__).resolve().parents[1] / "entropy_grpo"
 LAYERS = [("utils", "dist", "kept_sets", "report_to"), ("policies", "tasks", "rb_entropy", "linears", "checkpoints",
            "predictors", "gate", "template_params", "snis"),
           ("sequences", "adapters", "hackbed"), ("sequence_processor",), ("dr_grpo", "probe_state", "pairs"), ("train_config",),
-          ("training", "delta_entropy_is", "projection_arms"), ("updates",),
+          ("training", "delta_entropy_is", "projection_arms"), ("updates", "carry"),
           ("probes", "pools", "on_policy"),
           ("contributions", "decision", "trl_callback", "teachers", "scorecard"),
           ("phase2", "reports"), ("phase2_run", "phase3_run"), ("calibration", "plan"), ("experiments", "truth"),

@@ -1,6 +1,7 @@
 """The README's journeys run as printed: a researcher's own task file (mytask.py, verbatim), a teacher given as a LoRA
 adapter folder, three pools, the probe and its recommendation, a Phase-3 sweep projecting the probe's v_hack, and the
-cluster sweep's dry run — on a tiny policy saved as a model folder, with only the README's settings lines replaced."""
+cluster sweep's dry run, and the TRL script with GRPOProbe projecting the probe's v_hack — on a tiny policy saved as a model
+folder, with only the README's settings lines replaced."""
 import json, os, re, subprocess, sys
 from pathlib import Path
 
@@ -13,6 +14,10 @@ BIN = str(Path(sys.executable).parent)
 # the README's settings lines (a user's model, teacher, task and Phase-3 size) and what the test puts in their place
 SETTINGS = ("POLICY=", "TEACHER=", "TASK=", "PRESET=")
 TEST_SETTINGS = "POLICY=policy TEACHER=teacher TASK=mytask.py:MyTask PRESET=smoke STEPS=2\n"
+# the TRL script's settings lines and the test's: the policy folder, and two steps of a tiny run on the CPU
+TRL_SETTINGS = {"POLICY = ": 'POLICY = "policy"\n',
+                "SIZES = ": 'SIZES = dict(max_steps=2, per_device_train_batch_size=4, num_generations=4, '
+                            'max_completion_length=8, use_cpu=True, logging_steps=1, save_strategy="no")\n'}
 
 
 def section(title: str) -> str:
@@ -62,6 +67,15 @@ def run_block(block: str, cwd: Path) -> subprocess.CompletedProcess:
                           timeout=1500)
 
 
+def run_trl_script(block: str, cwd: Path) -> subprocess.CompletedProcess:
+    "The README's TRL script as train.py, its settings lines replaced by the test's, every other line as printed."
+    lines = block.splitlines(keepends=True)
+    kept = [next((v for k, v in TRL_SETTINGS.items() if l.startswith(k)), l) for l in lines]
+    assert sum(a != b for a, b in zip(lines, kept)) == len(TRL_SETTINGS), block
+    (cwd / "train.py").write_text("".join(kept))
+    return subprocess.run([sys.executable, "train.py"], cwd=cwd, capture_output=True, text=True, timeout=900)
+
+
 def test_the_readme_task_file_grades_as_it_says(workdir):
     sys.path.insert(0, str(workdir))
     try:
@@ -97,3 +111,12 @@ def test_the_three_journeys_run_as_printed(workdir):
     assert cluster.returncode == 0, cluster.stdout[-4000:] + cluster.stderr[-4000:]
     for line in ("#SBATCH --time=720", "#SBATCH --account=myproj", "#SBATCH --partition=gpu", "| training step |"):
         assert line in cluster.stdout, (line, cluster.stdout[-3000:])
+    trl = run_trl_script(blocks(section("Inside your own TRL run"), "python")[0], workdir)   # journey 3
+    assert trl.returncode == 0, trl.stdout[-4000:] + trl.stderr[-4000:]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = list(workdir.glob("runs/mine/trl/runs/*/events.out.tfevents.*"))
+    assert len(events) == 1, events
+    tags = EventAccumulator(str(events[0].parent)).Reload().Tags()["scalars"]
+    for tag in ("cos_in", "cos_out", "frac_fired", "deltaH_true", "entropy_rb"):     # Phase 2's v_hack, carried
+        assert f"train/entropy_grpo/{tag}" in tags, (tag, tags)
+    for key in ("reward", "hacked", "gt_pass"): assert f"train/rewards/{key}/mean" in tags, (key, tags)

@@ -14,7 +14,8 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from entropy_grpo.adapters import LoraAdapter, WeightsAdapter
+from entropy_grpo.adapters import LoraAdapter, WeightsAdapter, add_delta_s
+from entropy_grpo.carry import CarriedVHack
 from entropy_grpo.delta_entropy_is import DeltaEntropyIS
 from entropy_grpo.policies import full_precision_norms
 from entropy_grpo.predictors import covariance_from_sums, covariance_sums
@@ -170,6 +171,34 @@ def test_lora_run_logs_the_true_entropy_change_of_each_step_and_projects_as_proj
     torch.testing.assert_close(last["rb"][m], tf.rb_entropies[:, 0][m], rtol=1e-5, atol=1e-5)
     assert logged(trainer, "entropy_rb")[3] == pytest.approx(float(last["rb"][m].mean()), rel=1e-6)
     assert "generate" not in trainer.model.__dict__                          # the hook is gone after training
+
+
+def test_phase2s_delta_s_v_hack_is_carried_into_the_lora_and_projected_at_each_steps_theta(tiny, tmp_path):
+    "A δS v_hack over the same base weights (as Phase 2 saves it) in a TRL LoRA run: at every step the optimizer"
+    " stepped project_grad of TRL's clipped gradient with the rows pulled back at that step's A and B."
+    trainer = grpo_trainer(tiny, tmp_path)
+    v_hack = random_v_hack(add_delta_s(copy.deepcopy(tiny[0]), ["q_proj", "v_proj"]), k=1, seed=3)
+    adapter = LoraAdapter.from_peft(trainer.model)
+    pre = Recorder()
+    trainer.add_callback(pre)
+    probe = add_grpo_probe(trainer, dict(every=0, project=True), v_hack=v_hack, adapter=adapter)
+    post = Stepped(probe)
+    trainer.add_callback(post)
+    trainer.train()
+    assert isinstance(probe.v_hack, CarriedVHack)
+    reference, live, fired = CarriedVHack(v_hack, adapter), dict(trainer.model.named_parameters()), []
+    for a, b in zip(pre.steps, post.steps):
+        with torch.no_grad():
+            for n, t in a["theta"].items(): live[n].copy_(t)
+        want, st = project_grad(adapter.module_vectors(a["grads"]), reference.at().V)
+        want = adapter.param_tensors(want)
+        for n in b["grads"]: torch.testing.assert_close(b["grads"][n], want[n], rtol=0, atol=0)
+        fired.append(st["frac_fired"])
+    assert max(fired) > 0 and list(logged(trainer, "frac_fired").values()) == pytest.approx(fired)
+    a_untouched = [all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"] if "lora_A" in n)
+                   for a, b in zip(pre.steps, post.steps)]
+    assert a_untouched[0]                      # B = 0 at the first step: the pull-back has no A part
+    assert not all(a_untouched[1:][i] for i, f in enumerate(fired[1:]) if f)   # later it has, and it is projected
 
 
 def test_full_fine_tuning_measures_in_weight_space_and_reaches_tensorboard(tiny, tmp_path):

@@ -20,10 +20,11 @@ build_pools() {   # setting task
 }
 build_pools A "$LEAK" & build_pools B "$DECOY" & wait
 
-# Phase 2 per setting (two threads: one probe at a time); its v_hack.safetensors is what the arms project
+# Phase 2 per setting (two threads: one probe at a time), done when its report.ipynb is; its v_hack.safetensors is
+# what the arms project
 for s in A B; do
   task=$LEAK; [ "$s" = B ] && task=$DECOY
-  [ -f "$D/$s-phase2/v_hack.safetensors" ] || OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 \
+  [ -f "$D/$s-phase2/report.ipynb" ] || OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 \
     $E probe --out "$D/$s-phase2" --seed "$first" -p task="'$task'" $(pools_of "$s")
 done
 
