@@ -4,14 +4,14 @@
 
 # %% ../nbs/03c_checkpoints.ipynb #4385068c
 from __future__ import annotations
-import json, warnings
+import json
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from .dist import world_size
-from .utils import atomic_path
+from .utils import atomic_path, quiet_checkpointing_name
 
 # %% auto #0
 __all__ = ['trainable_parameters', 'checkpoint_layout', 'save_checkpoint', 'load_checkpoint', 'latest_checkpoint']
@@ -46,9 +46,7 @@ def save_checkpoint(
             bars = hf_logging.is_progress_bar_enabled()
             hf_logging.disable_progress_bar()
             try:
-                with warnings.catch_warnings():     # peft 0.21 asks transformers 5 a deprecated name
-                    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-                    model.save_pretrained(tmp)
+                with quiet_checkpointing_name(): model.save_pretrained(tmp)
             finally:
                 if bars: hf_logging.enable_progress_bar()
         torch.save(dict(optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict()), tmp/"optimizer.pt")

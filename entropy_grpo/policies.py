@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .utils import atomic_path, check_choice
+from .utils import atomic_path, check_choice, quiet_checkpointing_name
 
 # %% auto #0
 __all__ = ['log', 'DEFAULT_POLICY', 'DEFAULT_GGUF', 'SMOLLM2_INSTALL', 'CHECKPOINT_ABOVE', 'PROBE_CHECKPOINT_ABOVE', 'TINY_EOS',
@@ -185,7 +185,7 @@ def _merged_adapter(src, base:str, **kw):
     from peft import PeftModel
     from transformers import AutoTokenizer
     model, tok = load_policy(base, **kw)
-    model = PeftModel.from_pretrained(model, src).merge_and_unload()
+    with quiet_checkpointing_name(): model = PeftModel.from_pretrained(model, src).merge_and_unload()
     model.config._name_or_path = str(src)
     if (Path(src)/"tokenizer_config.json").is_file(): tok = prepare_tokenizer(AutoTokenizer.from_pretrained(src))
     return model.eval(), tok

@@ -20,7 +20,7 @@ from .report_to import Reporter
 from .dr_grpo import group_advantages, policy_gradient_backward
 from .policies import set_checkpointing, wants_checkpointing
 from .sequence_processor import BatchedSequences, GenerationConfig, LogprobResults, SequenceProcessor
-from .utils import atomic_path, json_default, tqdm_disable, write_json
+from .utils import atomic_path, json_default, quiet_checkpointing_name, tqdm_disable, write_json
 
 # %% auto #0
 __all__ = ['FLAGS', 'step_problems', 'Rollout', 'GenerationSource', 'apply_lora', 'StepContext', 'TrainResult', 'build_optimizer',
@@ -74,9 +74,7 @@ def apply_lora(model, config:TrainConfig):
         raise ValueError("model already carries a peft adapter: pass lora_r=None to train it as it is")
     lc = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                     target_modules=config.lora_target_modules, task_type="CAUSAL_LM")
-    with torch.random.fork_rng(devices=_cuda(model)), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
-                                category=FutureWarning)  # peft 0.21 on transformers 5
+    with torch.random.fork_rng(devices=_cuda(model)), quiet_checkpointing_name():
         torch.manual_seed(config.seed)
         return get_peft_model(model, lc)
 

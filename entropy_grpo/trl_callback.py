@@ -23,7 +23,7 @@ from .projection_arms import COS_KEYS, GATES, VHack, arm_step
 from .rb_entropy import _scaled, token_stats
 from .sequence_processor import (BatchedSequences, GenerationConfig, SequenceProcessor, _final_logits,
                                              completion_mask)
-from .utils import check_choice, check_range
+from .utils import check_choice, check_range, quiet_checkpointing_name
 
 # %% auto #0
 __all__ = ['MIRRORED', 'NEUTRAL', 'LOGGED', 'TRAINER_EVENTS', 'ProbeConfig', 'sampling_config', 'GenerateEntropy', 'LossWeights',
@@ -284,7 +284,9 @@ def _sync(self:GRPOProbe):
     for n, p in self.live.items():
         if self.copy[n] is not p: self.copy[n].copy_(p)
 
-def _checkpointed(model) -> bool: return bool(getattr(model, "is_gradient_checkpointing", False))
+def _checkpointed(model) -> bool:
+    "Whether `model` recomputes activations in backward (asked by the name every transformers version knows)."
+    with quiet_checkpointing_name(): return bool(getattr(model, "is_gradient_checkpointing", False))
 
 # %% ../nbs/08_trl_callback.ipynb #cd73de00
 @patch

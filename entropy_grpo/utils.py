@@ -14,7 +14,7 @@ from torch import Tensor
 # %% auto #0
 __all__ = ['check_range', 'check_choice', 'split_task_spec', 'TemplateConfig', 'atomic_path', 'json_default', 'clean_json',
            'write_json', 'save_figure', 'welch', 'wilson', 'row_cosines', 'markdown_table', 'tqdm_disable',
-           'base_optimizer', 'trim_memory']
+           'quiet_checkpointing_name', 'base_optimizer', 'trim_memory']
 
 # %% ../nbs/00c_utils.ipynb #ebe88024
 def check_range(
@@ -165,6 +165,15 @@ def markdown_table(
 def tqdm_disable(progress:bool|None) -> bool|None:
     "tqdm's `disable` for a `progress` flag: None hides the bar when not on a terminal."
     return None if progress is None else not progress
+
+@contextmanager
+def quiet_checkpointing_name():
+    "transformers 5 renamed `is_gradient_checkpointing`; peft 0.21 (and code that runs on older versions) still asks"
+    " by the old name: that FutureWarning, silenced."
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 # %% ../nbs/00c_utils.ipynb #a070b32f
 def base_optimizer(optimizer:torch.optim.Optimizer) -> torch.optim.Optimizer:
