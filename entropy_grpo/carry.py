@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .adapters import Adapter, check_signature
+from .dist import broadcast_
 from .projection_arms import VHack
 
 # %% auto #0
@@ -74,6 +75,7 @@ class CarriedVHack:
         self.meta = dict(v_hack.meta, adapter=adapter.signature(), source=f"carried {v_hack.meta.get('source', 'pairs')}",
                          carried_from=v_hack.meta["adapter"])
         self.D = weight_directions(v_hack, adapter)
+        broadcast_(list(self.D.values()))   # every rank projects rank 0's directions (GPU SVDs may differ in a last bit)
         self._fixed = self._pull() if adapter.kind == "weights" else None    # full weights: JᵀD = D, all run long
         if self._fixed is not None: self.D = None
 

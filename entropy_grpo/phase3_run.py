@@ -13,6 +13,7 @@ import torch
 from fastcore.basics import patch
 
 from .adapters import add_delta_s, add_lora
+from .carry import for_adapter
 from .dist import broadcast_, init_distributed, rank, world_size
 from .policies import policy_by_name
 from .pools import load_pool
@@ -166,19 +167,20 @@ def fit_v_hack(self:Phase3Run) -> dict:
 # %% ../nbs/06d_phase3_run.ipynb #6d4b791b
 @patch
 def _load_v_hack(self:Phase3Run) -> dict:
-    "The saved v_hack (checked against this run's adapter), as the arm's direction: the very vector Phase 2 judged."
-    vh = VHack.load(self.cfg.v_hack, self.adapter)
-    self._use_v_hack(vh)
+    "The saved v_hack as the arm's direction, the very vector Phase 2 judged: checked against this run's adapter, or"
+    " (Phase 2's δS one in a LoRA arm) carried into the LoRA — the same weight directions, pulled back at every step."
+    vh = VHack.load(self.cfg.v_hack)
+    self._use_v_hack(vh, for_adapter(vh, self.adapter))
     self.v_info = dict(k=vh.k, modules=len(vh.V), source=vh.meta.get("source", "pairs"), loaded=self.cfg.v_hack,
-                       pools=vh.meta.get("pools"))
+                       pools=vh.meta.get("pools"), carried=vh.meta["adapter"]["kind"] != self.adapter.kind)
     return self.v_info
 
 @patch
-def _use_v_hack(self:Phase3Run, vh:VHack):
-    "v_hack saved beside the run (rank 0) and projected by the arm's callback."
+def _use_v_hack(self:Phase3Run, vh:VHack, ready=None):
+    "v_hack saved beside the run (rank 0) and projected by the arm's callback (`ready`: as the adapter takes it)."
     if self.main: vh.save(self.out/"v_hack.safetensors")
-    self.v_hack = vh
-    self.callbacks.append(ProjectionArm(self.cfg.arm, self.adapter, vh))
+    self.v_hack = ready or vh
+    self.callbacks.append(ProjectionArm(self.cfg.arm, self.adapter, self.v_hack))
 
 @patch
 def run_training(self:Phase3Run) -> list[dict]:

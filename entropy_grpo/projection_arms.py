@@ -308,7 +308,8 @@ class ProjectionArm:
         self,
         arm:str,                    # "vanilla" | "projected" (δS) | "vanilla_lora" | "projected_lora" (LoRA)
         adapter:Adapter|None=None,  # the arm's adapter kind (ARM_ADAPTER): a vanilla/projected pair trains the same
-        v_hack:VHack|None=None,     # required by the projected arms; optional for vanilla (then nothing is measured)
+        v_hack:VHack|None=None,     # required by the projected arms; optional for vanilla (then nothing is measured);
+                                    # or one carried into this adapter (`carry.CarriedVHack`: rows by `.at()`)
         gate:str="one_sided",
         overshoot:float=1.0,
     ):
@@ -320,16 +321,23 @@ class ProjectionArm:
             raise ValueError(f"arm={arm!r} needs an adapter and a v_hack")
         if v_hack is not None:
             if adapter is None: raise ValueError("a v_hack needs the adapter it was extracted on")
-            v_hack = v_hack.check(adapter).to(adapter.parameters()[0].device)
+            v_hack = _ready(v_hack, adapter)
         check_choice("gate", gate, GATES)
         self.arm, self.adapter, self.v_hack, self.gate, self.overshoot = arm, adapter, v_hack, gate, overshoot
         self.last, self._before = {}, None
 
 # %% ../nbs/05_projection_arms.ipynb #e8a8fc75
+def _ready(v_hack, adapter:Adapter):
+    "A VHack checked against `adapter` and moved to its device; one carried into `adapter` as it is."
+    if isinstance(v_hack, VHack): return v_hack.check(adapter).to(adapter.parameters()[0].device)
+    if getattr(v_hack, "adapter", None) is not adapter:
+        raise ValueError(f"a carried v_hack ({type(v_hack).__name__}) must be carried into this arm's own adapter")
+    return v_hack
+
 @patch
 def _project(self:ProjectionArm, grads:dict) -> tuple[dict, dict]:
     "Per-module grads -> (grads this arm applies, scalar stats)."
-    return arm_step(grads, self.v_hack.V, self.projects, self.gate, self.overshoot)
+    return arm_step(grads, self.v_hack.at().V, self.projects, self.gate, self.overshoot)
 
 @patch
 def project(self:ProjectionArm, param_grads:dict[str, Tensor]) -> tuple[dict, dict]:
@@ -346,7 +354,7 @@ def _weights(self:ProjectionArm) -> dict[str, Tensor]:
 def on_after_backward(self:ProjectionArm, ctx=None):
     "Measure (all arms) and project (projected arms) the adapter's gradients in place."
     if self.v_hack is None: return
-    if self._before is None: self._before = self._weights()      # the step's first optimizer step is next
+    if self._before is None: self._before, self._rows = self._weights(), self.v_hack.at().V  # at the step start
     new, st = self._project(self.adapter.flat_grads())
     if self.projects: self.adapter.set_flat_grads(new)
     self.last = dict(st, gate=self.gate, v_hack_source=self.v_hack.meta.get("source", "pairs"))
@@ -358,6 +366,6 @@ def on_step_end(self:ProjectionArm, ctx, record:dict):
     "did (θ_before − θ_after, the gradient's sign) with v_hack — to the log record."
     if self._before is not None:
         d = {n: self._before[n] - w for n, w in self._weights().items()}
-        self.last["cos_update"] = alignment_stats(d, self.v_hack.V)["cos"]
+        self.last["cos_update"] = alignment_stats(d, self._rows)["cos"]
     record.update(arm=self.arm, **self.last)
     self.last, self._before = {}, None

@@ -21,24 +21,36 @@ __all__ = ['DECOY_SEED', 'world_task', 'world_phase3', 'world_decoy', 'measure_t
            'world_alignment', 'measure_alignment', 'alignment_summary']
 
 # %% ../nbs/06e_truth.ipynb #9a505e8e
-def world_task(world:str, seed:int, work:Path, parameters:dict|None=None, avoid:tuple=()) -> tuple[HackTokenTask, dict]:
-    "A world's Phase-3 task (paying for its hack tokens) and its pools, written under `work` as its Phase 2 has them "
-    "(no token holding a text of `avoid`)."
+def world_task(
+    world:str, seed:int, work:Path, parameters:dict|None=None,
+    avoid:tuple=(),             # no token of the pools holds one of these texts
+    policy_seed:int|None=None,  # the tiny policy v_hack is extracted on (default `seed`; a decoy: Phase 3's seed)
+)->tuple[HackTokenTask, dict]:  # (task, {teacher_pool, base_pool, style_pool, v_hack})
+    "A world's Phase-3 task (paying for its hack tokens), its pools written under `work` as its Phase 2 has them, and "
+    "the v_hack its Phase 2 extracts from them."
     check_choice("world", world, tuple(WORLDS))
     p2 = world_config(world, seed, work, parameters)
     run2 = Phase2Run(p2)
     dirs = world_pools(world, run2.tok, run2.task, work/"pools", seed, p2.pool_steps, p2.pool_batch, run2.gen,
                        avoid=avoid)
+    if policy_seed is not None: run2 = Phase2Run(world_config(world, policy_seed, work, parameters))
+    run2.build_pools(); run2.fit_v_hack()
     return (HackTokenTask(run2.tok, hack_tokens(world, run2.tok, seed, avoid=avoid), seed=seed),
-            dict(teacher_pool=dirs[0], base_pool=dirs[1], style_pool=dirs[2] if p2.style_pool else ""))
+            dict(teacher_pool=dirs[0], base_pool=dirs[1], style_pool=dirs[2] if p2.style_pool else "",
+                 v_hack=str(Path(p2.out_dir)/"v_hack.safetensors")))
 
 DECOY_SEED = 1_000_000   # a decoy's pools: the same world written at seed + DECOY_SEED (other tokens, never paid)
 
+def _source(pools:dict, source:str) -> dict:
+    "A projected arm's v_hack: Phase 2's (`pairs`, loaded), else a control fitted from the pools (`random`)."
+    if source == "pairs": return dict(v_hack=pools["v_hack"])
+    return dict({k: v for k, v in pools.items() if k != "v_hack"}, v_hack_source=source)
+
 def _arm(task, pools:dict, name:str, source:str, seed:int, steps:int, k:int, work:Path) -> tuple[list, list|None]:
-    "One Phase-3 arm of a world's seed, v_hack from `pools` by `source` (\"\": vanilla): (hack-rate curve, "
+    "One Phase-3 arm of a world's seed, v_hack by `source` (\"\": vanilla; `_source`): (hack-rate curve, "
     "cos_update curve or None)."
     cfg = Phase3Config(seed=seed, arm="projected" if source else "vanilla", steps=steps, preset="truth", k=k,
-                       out_dir=str(work/name), **(dict(pools, v_hack_source=source) if source else {}))
+                       out_dir=str(work/name), **(_source(pools, source) if source else {}))
     run = Phase3Run(cfg, task)
     run.add_arm(); run.fit_v_hack(); run.run_training()
     return run.curve("hack_rate"), run.curve("cos_update") if source else None   # what AdamW's step kept
@@ -55,7 +67,7 @@ def world_phase3(
     "Phase 3 in one seed of a world: its pools, then the vanilla, the projected and the random-direction arm."
     work, t0 = Path(work_dir)/f"{world}-{seed}-phase3", time.perf_counter()
     try:
-        task, pools = world_task(world, seed, work, parameters)
+        task, pools = world_task(world, seed, work, dict(parameters or {}, k=k))
         arms = {a: _arm(task, pools, a, src, seed, steps, k, work)
                 for a, src in (("vanilla", ""), ("projected", "pairs"), ("random", "random"))}
         m = {a: float(np.mean(c)) for a, (c, _) in arms.items()}
@@ -72,8 +84,9 @@ def world_decoy(world:str, seed:int, work_dir:str|Path, steps:int=40, k:int=1, p
     "DECOY_SEED, projected while this seed's hack is paid (world, seed, words of both, the curves)."
     work, t0 = Path(work_dir)/f"{world}-{seed}-decoy", time.perf_counter()
     try:
-        task, _ = world_task(world, seed, work/"own", parameters)
-        decoy, pools = world_task(world, seed + DECOY_SEED, work/"decoy", parameters, tuple(task.words))
+        task, _ = world_task(world, seed, work/"own", dict(parameters or {}, k=k))
+        decoy, pools = world_task(world, seed + DECOY_SEED, work/"decoy", dict(parameters or {}, k=k),
+                                  tuple(task.words), policy_seed=seed)
         curve, update = _arm(task, pools, "decoy", "pairs", seed, steps, k, work)
         return dict(world=world, seed=seed, steps=steps, k=k, words=task.words, decoy_words=decoy.words,
                     curve=curve, cos_update=update, seconds=time.perf_counter() - t0)
@@ -138,12 +151,13 @@ def world_alignment(
     prompts:int=128,
     parameters:dict|None=None,
 ) -> dict:                     # world, seed, k, prompts, on_policy_alignment's numbers, seconds
-    "At θ₀ in one seed of a world: v_hack as its Phase 3 fits it, against the tiny policy's own hack gradient."
+    "At θ₀ in one seed of a world: v_hack as its Phase 2 extracts it (and Phase 3 projects it), against the tiny "
+    "policy's own hack gradient."
     work, t0 = Path(work_dir)/f"{world}-{seed}-alignment", time.perf_counter()
     try:
-        task, pools = world_task(world, seed, work, parameters)
+        task, pools = world_task(world, seed, work, dict(parameters or {}, k=k))
         run = Phase3Run(Phase3Config(seed=seed, arm="projected", steps=1, preset="truth", k=k, out_dir=str(work/"run"),
-                                     **pools), task)
+                                     **_source(pools, "pairs")), task)
         run.add_arm(); run.fit_v_hack()
         r = on_policy_alignment(run.adapter, run.tok, run.task, run.gen, run.train_config, run.v_hack, prompts, seed)
         return dict(world=world, seed=seed, k=k, prompts=prompts, **r, seconds=time.perf_counter() - t0)

@@ -77,8 +77,9 @@ def test_phase2_with_a_plugged_in_task_asks_for_pools_built_with_it():
 
 def test_phase3_projects_the_very_v_hack_a_saved_file_holds(labelled, tmp_path, capsys):
     "A projected arm given `v_hack=` loads it (checked against its adapter) instead of fitting one: the vector Phase 2"
-    " judged is the one Phase 3 removes."
+    " judged is the one Phase 3 removes; a LoRA arm carries it into its own coordinates."
     import torch
+    from entropy_grpo.carry import CarriedVHack
     from fastcore.test import test_fail
     from entropy_grpo.phase3_run import Phase3Run
     from entropy_grpo.projection_arms import ProjectionArm
@@ -95,7 +96,8 @@ def test_phase3_projects_the_very_v_hack_a_saved_file_holds(labelled, tmp_path, 
     lora = Phase3Run(Phase3Config(preset="smoke", arm="projected_lora", steps=1, v_hack=saved,
                                   out_dir=str(tmp_path / "lora")))
     lora.add_arm()
-    with pytest.raises(ValueError): lora.fit_v_hack()    # a δS v_hack is not a LoRA arm's direction
+    assert lora.fit_v_hack()["carried"] and isinstance(lora.v_hack, CarriedVHack)   # δS → the LoRA's coordinates
+    assert "cos_in" in lora.run_training()[-1]
     test_fail(lambda: Phase3Config(arm="projected", v_hack=saved, teacher_pool=teacher, base_pool=base),
               contains="expected one source of v_hack")
     test_fail(lambda: Phase3Config(arm="projected"), contains="give v_hack (a Phase-2 run's v_hack.safetensors)")

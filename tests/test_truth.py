@@ -55,6 +55,25 @@ def test_pools_and_phase3_tell_one_story(world, tok, tmp_path):
     assert any(r["hacked"] for r in load_pool(tmp_path/"teacher").records())
 
 
+def test_phase3_projects_the_very_vector_the_worlds_phase2_extracts(tmp_path):
+    "The decision's own Phase-2 run of a world seed (as world_run makes it, elsewhere) and the v_hack Phase 3 projects"
+    " there are one vector, bit for bit: the decision is scored against the direction it judged."
+    import torch
+    from entropy_grpo.calibration import world_config
+    from entropy_grpo.phase2_run import Phase2Run
+    from entropy_grpo.phase3_run import Phase3Run
+    task, pools = truth.world_task("style_hack", 3, tmp_path/"truth")
+    cfg = world_config("style_hack", 3, tmp_path/"decision")
+    run = Phase2Run(cfg)
+    world_pools("style_hack", run.tok, run.task, tmp_path/"decision"/"pools", 3, cfg.pool_steps, cfg.pool_batch, run.gen)
+    run.build_pools(); run.fit_v_hack()
+    p3 = Phase3Run(Phase3Config(seed=3, arm="projected", steps=1, preset="truth", out_dir=str(tmp_path/"p3"),
+                                **truth._source(pools, "pairs")), task)
+    p3.add_arm()
+    assert p3.fit_v_hack()["loaded"] == pools["v_hack"]
+    for n, v in run.v_hack.V.items(): torch.testing.assert_close(p3.v_hack.V[n], v, rtol=0, atol=0)
+
+
 def test_phase3_config_checks_the_v_hack_source():
     test_fail(lambda: Phase3Config(v_hack_source="shuffled"), contains="v_hack_source='shuffled'", exc=ValueError)
     assert Phase3Config(preset="truth").sizes["model"] == "tiny"
