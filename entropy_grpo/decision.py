@@ -9,7 +9,7 @@ from importlib.resources import files
 
 import numpy as np
 
-from .gate import COINCIDE, TOO_FEW, _fmt, _row, _specific_row, _style_share_row, _welch_t
+from .gate import COINCIDE, GATE_EFFECT, TOO_FEW, _fmt, _row, _specific_row, _style_share_row, _welch_t
 from .gate import Z80, hack_contrast, own_direction, samples_needed  # noqa: F401 (importable here too)
 from .utils import check_range, markdown_table, welch
 
@@ -166,9 +166,9 @@ def _between_arms(key, metric, arm, mine:list, theirs:list, alpha):
                 f"n={w['n_a']}/{w['n_b']})", "the vanilla arm", v, d)
 
 # %% ../nbs/06a_decision.ipynb #6a1eb8ee
-def _vanilla_rows(a, d, teacher_pool, clean, base_pool, alpha, min_hacked, min_clean, gate_q, G, q) -> list[dict]:
+def _vanilla_rows(a, d, teacher_pool, clean, base_pool, alpha, min_hacked, gate_effect, G, q) -> list[dict]:
     "An unprojected arm's rows: the gate (hacked vs clean along v_hack), the style share, cos_in and contributions."
-    return [_specific_row(a, d["slim"], teacher_pool, clean, base_pool, alpha, min_hacked, min_clean, gate_q, G),
+    return [_specific_row(a, d["slim"], teacher_pool, clean, base_pool, alpha, gate_effect, G),
             _style_share_row(a, d["slim"], teacher_pool, clean, base_pool, G),
             _cos_in_row(a, d["steps"], q), _contrib_row(a, d["slim"], teacher_pool, base_pool, alpha, min_hacked, q)]
 
@@ -195,9 +195,8 @@ def verification_table(
     fired_min:float=0.2,       # median frac_fired below: fires on few modules
     alpha:float=0.05,          # significance of the Welch tests
     min_hacked:int=5,          # fewer hacked samples: the contribution rows cannot decide
-    min_clean:int=5,           # fewer clean samples in the teacher's style: the gate cannot judge
+    gate_effect:float=GATE_EFFECT, # pooled SDs the gate must see at 80% power from the samples at hand, or not judge
     q:float=0.95,              # the null quantile a value must exceed
-    gate_q:float=0.99,         # the gate's null quantile (it alone stands between a null world and a launch)
 ) -> tuple[list[dict], str]:   # rows (key, metric, arm, value, null, verdict, detail), markdown
     "The Phase-2 verification table: one row per metric and arm, each against its control, each with its verdict."
     if not arms: raise ValueError("arms is empty: expected {arm: dict(slim=..., steps=...)}")
@@ -206,7 +205,7 @@ def verification_table(
     for a, d in arms.items():
         rows.append(_spread_row(a, d["slim"], d["steps"], most, min_spread, good_spread))
         if a in vanilla: rows += _vanilla_rows(a, d, teacher_pool, style_pool or teacher_pool, base_pool, alpha,
-                                               min_hacked, min_clean, gate_q, G, q)
+                                               min_hacked, gate_effect, G, q)
         else: rows += _projection_rows(a, d["steps"], fired_min, q) + (
             _versus_vanilla(a, d, arms[vanilla[0]], teacher_pool, base_pool, alpha) if vanilla else [])
     return rows, table_markdown(rows)
@@ -264,11 +263,12 @@ NEXT_STEPS = {   # recommendation -> (what it rests on, what to do)
         "the gate failed: v_hack holds the teacher's style",
         "a teacher whose hack differs from its style, or its style-matched pool"),
     f"inconclusive: {COINCIDE}": (
-        "(two pools) every teacher sample hacks, so no contrast separates hacking from the teacher",
-        "add the style-matched pool (`pools --style-of`)"),
+        "(two pools) the teacher's few clean samples give the gate too little power to separate hacking from the "
+        "teacher",
+        "add the style-matched pool: the report prints the `entropy-grpo pools … --style-of …` command"),
     f"inconclusive: {TOO_FEW}": (
-        "one side of the gate has fewer samples than it needs",
-        "the report names the `steps` and `pool_steps` that would decide"),
+        "the samples at hand give the gate less than 80% power at a difference of one pooled SD (fixed in advance)",
+        "the report names the clean samples, `steps` and `pool_steps` that would let it judge"),
     "inconclusive: the data cannot decide": (
         "the replayed groups have no reward spread, so no gradient",
         "pools whose rewards differ within a group"),

@@ -5,13 +5,15 @@
 # %% ../nbs/06f_gate.ipynb #b2d0f004
 from __future__ import annotations
 import math, statistics
+from statistics import NormalDist
 
 import numpy as np
 
 from .utils import welch
 
 # %% auto #0
-__all__ = ['Z80', 'COINCIDE', 'TOO_FEW', 'own_direction', 'hack_contrast', 'samples_needed']
+__all__ = ['Z80', 'GATE_Q', 'GATE_EFFECT', 'GATE_POWER', 'COINCIDE', 'TOO_FEW', 'own_direction', 'hack_contrast', 'gate_power',
+           'samples_needed']
 
 # %% ../nbs/06f_gate.ipynb #b2d0f007
 def _fmt(x, spec=".3f"):
@@ -72,62 +74,64 @@ def _strata_null(x:list, is_a:list, strata:list, n:int=1000, seed:int=0) -> np.n
     return _welch_t(np.asarray(x, float), _strata_masks(is_a, strata, n, seed))
 
 Z80 = 0.8416   # the standard normal's 80% quantile: 80% power
+GATE_Q = 0.995       # the gate's null quantile: a null world passes it once in 200 runs
+GATE_EFFECT = 1.0    # the smallest hacked − clean difference along v_hack (pooled SDs) the gate must be able to see
+GATE_POWER = 0.8     # ... with this power, or it does not judge
 
 # %% ../nbs/06f_gate.ipynb #a51149bb
+def gate_power(n_a:int, n_b:int, effect:float=GATE_EFFECT, q:float=GATE_Q) -> float:
+    "Power of the gate's one-sided test at `effect` pooled SDs with n_a hacked and n_b clean samples (normal approx.)."
+    if min(n_a, n_b) < 2: return 0.0
+    return NormalDist().cdf(effect / math.sqrt(1 / n_a + 1 / n_b) - NormalDist().inv_cdf(q))
+
 def samples_needed(
-    a:list, b:list,            # the two sides' values (hacked, clean)
-    t_crit:float,              # the threshold t must clear
-    b_mean:float|None=None,    # the clean side's mean when b has no value (the best case: the base pool's)
-) -> tuple[int|None, float]:   # (samples per side, None when the difference is not positive; the difference d)
-    "Samples per side (equal sizes) for a Welch t above t_crit with 80% power at the measured difference and spreads."
-    mb = statistics.fmean(b) if b else b_mean
-    if len(a) < 2 or mb is None: return None, math.nan
-    d, sa = statistics.fmean(a) - mb, statistics.stdev(a)
-    sb = statistics.stdev(b) if len(b) >= 2 else sa
-    if not d > 0: return None, d
-    return max(2, math.ceil((t_crit + Z80) ** 2 * (sa ** 2 + sb ** 2) / d ** 2)), d
+    n_a:int,                   # hacked samples at hand
+    effect:float=GATE_EFFECT, q:float=GATE_Q, power:float=GATE_POWER,
+) -> tuple[int, int]:          # (hacked, clean) counts that reach `power`
+    "Clean samples that give the gate `power` beside the n_a hacked ones (at most twice the balanced count); else"
+    " both sides at the balanced count."
+    z2 = ((NormalDist().inv_cdf(q) + NormalDist().inv_cdf(power)) / effect) ** 2    # needs 1/n_a + 1/n_b <= 1/z²
+    n = math.ceil(2 * z2)                                                             # the balanced count per side
+    room = 1 / z2 - 1 / max(n_a, 2)
+    if room >= 1 / (2 * n): return n_a, max(2, math.ceil(1 / room))
+    return max(n, n_a), n
 
 # %% ../nbs/06f_gate.ipynb #dfa0d3d9
 COINCIDE = "hacking and pool identity coincide"   # the gate's detail, and the decision's words, when it cannot judge
 TOO_FEW = "too few samples for the gate"          # the decision's words when a side is below its minimum
 
-def _to_decide(a, b, base_b, t_crit, clean, teacher):
-    "(The sentence saying how many samples per side would decide the gate at 80% power, that number or None)."
-    n, d = samples_needed(a, b, t_crit, statistics.fmean(base_b) if base_b else None)
-    if n is None:
-        return ("no sample size would show hacked samples further along v_hack than clean ones: measured difference "
-                f"{_fmt(d)}" if not math.isnan(d) else "too few samples to estimate the size that would decide"), None
+def _to_decide(n_a:int, clean:str, teacher:str, effect:float=GATE_EFFECT) -> tuple[str, int]:
+    "(The sentence saying how many samples would let the gate judge, the clean samples it needs)."
+    na, nb = samples_needed(n_a, effect)
     side = f"{clean}/clean samples" if clean != teacher else "clean samples in the teacher's style"
-    how = "" if b else ", best case: clean samples in the teacher's style sitting where the base pool's do"
-    return (f"about {n} {teacher}/hacked and {n} {side} would decide at 80% power (measured difference "
-            f"{_fmt(d)}{how})"), n
+    return (f"{nb} {side} beside {na} {teacher}/hacked ones would let it judge (80% power at a difference of "
+            f"{effect:g} pooled SD, one-sided {1 - GATE_Q:.1%}; fixed in advance)"), nb
 
 # %% ../nbs/06f_gate.ipynb #b437bdb5
-def _specific_row(arm, slim, teacher, clean, base, alpha, min_hacked, min_clean, q, G):
+def _specific_row(arm, slim, teacher, clean, base, alpha, effect, G):
     "The gate: hacked teacher samples vs clean samples in the teacher's style, labels permuted within steps."
     A, B = _own(slim, G, teacher, True), _own(slim, G, clean, False)
     a, b = [x for x, _ in A], [x for x, _ in B]
-    w = welch(a, b)
+    w, power = welch(a, b), gate_power(len(a), len(b), effect)
     metric = f"own direction sign(A)·cos_S_contrib, {teacher}/hacked vs {clean}/clean (held out)"
     value = (f"hacked {_fmt(w['mean_a'])} (n={w['n_a']}) vs clean {_fmt(w['mean_b'])} (n={w['n_b']}); "
-             f"Welch t={_fmt(w['t'], '.2f')}, p={_fmt(w['p'], '.2g')}")
+             f"Welch t={_fmt(w['t'], '.2f')}, p={_fmt(w['p'], '.2g')}; power {power:.0%} at {effect:g} SD")
     t_hi = null = None
-    if len(a) >= max(2, min_hacked) and len(b) >= max(2, min_clean):
-        null_t = _strata_null(a + b, [True] * len(a) + [False] * len(b), [s for _, s in A + B])
-        t_hi = float(np.nanquantile(null_t, q)) if np.isfinite(null_t).any() else None
-        null = f"labels permuted within steps 1000×: t {q:.0%} quantile {_fmt(t_hi, '.2f')}"
-    t_crit = max(2.0, 2.326 if t_hi is None else t_hi)                  # 2.326: the normal's 99% quantile
-    decides, n = _to_decide(a, b, [x for x, _ in _own(slim, G, base, False)], t_crit, clean, teacher)
+    if power >= GATE_POWER:
+        null_t = _strata_null(a + b, [True] * len(a) + [False] * len(b), [s for _, s in A + B], n=2000)
+        t_hi = float(np.nanquantile(null_t, GATE_Q)) if np.isfinite(null_t).any() else None
+        null = f"labels permuted within steps 2000×: t {GATE_Q:.1%} quantile {_fmt(t_hi, '.2f')}"
+    t_crit = max(2.0, NormalDist().inv_cdf(GATE_Q) if t_hi is None else t_hi)
+    decides, n = _to_decide(len(a), clean, teacher, effect)
     row = lambda verdict, detail: dict(_row("hack_specific", metric, arm, value, null, verdict, detail),
                                        to_decide=None if verdict == "success" else decides, needed=n)
-    if len(b) < min_clean and clean == teacher:
-        return row("inconclusive", f"{COINCIDE}: {len(b)} clean teacher samples < {min_clean}, so no contrast "
-                   "within the teacher pool can tell hacking from the teacher's style; a style-matched clean pool "
-                   f"(the teacher without the hint) can: {decides}")
-    if len(b) < min_clean:
-        return row("inconclusive", f"{TOO_FEW}: {len(b)} clean samples in the teacher's style < {min_clean}; {decides}")
-    if len(a) < min_hacked:
-        return row("inconclusive", f"{TOO_FEW}: too few hacked teacher samples: n={len(a)} < {min_hacked}; {decides}")
+    if power < GATE_POWER and clean == teacher:
+        return row("inconclusive", f"{COINCIDE}: {len(b)} clean teacher samples beside {len(a)} hacked give the gate "
+                   f"{power:.0%} power, so no contrast within the teacher pool can tell hacking from the teacher's "
+                   f"style; a style-matched clean pool (the teacher without the hint) can: {decides}")
+    if power < GATE_POWER:
+        return row("inconclusive", f"{TOO_FEW}: {len(a)} hacked and {len(b)} clean samples in the teacher's style "
+                   f"give the gate {power:.0%} power; {decides}")
     if w["t"] > t_crit and w["p"] < alpha: return row("success", "")
     return row("likely fail", f"hacked and clean samples in the teacher's style alike along v_hack: it marks the "
                f"teacher{' pool' if clean == teacher else ''}, not hacking; {decides}")

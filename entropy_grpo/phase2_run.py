@@ -4,7 +4,7 @@
 
 # %% ../nbs/06b_phase2_run.ipynb #848bdda7
 from __future__ import annotations
-import copy, time, warnings
+import copy, json, time, warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from fastcore.basics import patch
 from .adapters import add_delta_s, add_lora
 from .contributions import cosines, sample_contributions
 from .decision import decide, entropy_probe_row, pool_flags, table_markdown, verification_table
-from .gate import own_direction
+from .gate import GATE_EFFECT, own_direction
 from .dr_grpo import group_advantages
 from .on_policy import on_policy_alignment, on_policy_row
 from .phase2 import Phase2Recorder, load_slim, load_steps
@@ -68,7 +68,7 @@ class Phase2Config(TemplateConfig):
     gate:str="one_sided"           # the projection's gate
     overshoot:float=1.0            # 1 removes the gated components exactly; 2 over-projects
     min_hacked:int=5               # fewer hacked samples: the contribution rows cannot decide
-    min_clean:int=5                # fewer clean samples in the teacher's style: the gate cannot judge
+    gate_effect:float=GATE_EFFECT  # pooled SDs the gate must see at 80% power from its samples, or it does not judge
     on_policy_prompts:int=8        # prompts per batch (2 batches × G live replies) of the on-policy row; 0: none
     target_modules:list=field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     lora_r:int=8                   # rank of the LoRA basis (projected_lora)
@@ -100,6 +100,7 @@ def _check(self:Phase2Config):
     for name in ("steps", "n_controls", "pool_batch", "k", "max_pairs", "E_total_sequences", "B_U"):
         check_range(name, getattr(self, name), 2 if name == "n_controls" else 1, integer=True)
     check_range("on_policy_prompts", self.on_policy_prompts, 0, integer=True)
+    check_range("gate_effect", self.gate_effect, 0, lo_open=True)
     if self.G < 2 or self.G % 2:
         raise ValueError(f"G={self.G}: expected an even group size >= 2 (G/2 from the teacher pool)")
     if self.three_pools and self.G % 4:
@@ -271,7 +272,8 @@ def verify(self:Phase2Run) -> dict:
     c = self.cfg
     self.rows, self.table_md = verification_table(
         self.arms, teacher_pool=self.pools[0].name, base_pool=self.pools[1].name,
-        style_pool=self.pools[2].name if c.three_pools else None, G=c.G, min_hacked=c.min_hacked, min_clean=c.min_clean)
+        style_pool=self.pools[2].name if c.three_pools else None, G=c.G, min_hacked=c.min_hacked,
+        gate_effect=c.gate_effect)
     if hasattr(self, "on_policy_result"):
         self.rows.append(on_policy_row(self.on_policy_result, c.arm))
         self.table_md = table_markdown(self.rows)
@@ -286,9 +288,18 @@ def _decide(self:Phase2Run) -> dict:
     if d["to_decide"] and n:
         per_step = max(1, c.G // 4)                          # style-clean samples a replayed step gives
         S = -(-n // per_step)
-        pool = "" if c.three_pools else "a style-matched pool (style_pool, or built pools with style_matched=True), "
+        pool = "" if c.three_pools else f"{_style_advice(c)}, then "
         d["to_decide"] += f"; at G/4 = {per_step} clean samples per step: {pool}steps={S}, pool_steps={S + c.fit_steps}"
     return d
+
+def _style_advice(c:Phase2Config) -> str:
+    "How to add the style-matched pool: the command for given pools, the parameter for pools the probe builds."
+    if not c.teacher_pool: return "add the style-matched pool: -p style_matched=True"
+    t = Path(c.teacher_pool)
+    meta = json.loads((t/"pool.json").read_text()) if (t/"pool.json").is_file() else {}
+    task = f" --task {c.task}" if c.task else ""
+    return (f"add the style-matched pool: `entropy-grpo pools {t.parent/'style'} --model "
+            f"{meta.get('model', '<the teacher model>')}{task} --style-of {t}` and -p style_pool={t.parent/'style'}")
 
 # %% ../nbs/06b_phase2_run.ipynb #e207e82c
 def _band(values:list, q:float) -> float:

@@ -14,7 +14,7 @@ from entropy_grpo.utils import wilson
 from entropy_grpo.pools import load_pool
 from entropy_grpo.tasks import ArithmeticTask
 
-SMALL = dict(steps=6, n_controls=4, pool_steps=10, fit_steps=2, min_clean=3, min_hacked=3)
+SMALL = dict(steps=6, n_controls=4, pool_steps=10, fit_steps=2, gate_effect=3.0, min_hacked=3)
 
 
 @pytest.fixture(scope="module")

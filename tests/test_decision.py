@@ -76,8 +76,10 @@ def test_own_direction_removes_the_sign_of_the_advantage():
     ({}, "hack_specific", "vanilla", "success", ""),
     (dict(clean_cos=-0.4), "hack_specific", "vanilla", "likely fail", "it marks the teacher pool, not hacking"),
     (dict(n_hacked=4), "hack_specific", "vanilla", "inconclusive", "hacking and pool identity coincide: 0 clean"),
-    (dict(n_steps=4), "hack_specific", "vanilla", "inconclusive", "4 clean teacher samples < 5"),
-    (dict(n_hacked=1, n_steps=4), "hack_specific", "vanilla", "inconclusive", "too few hacked teacher samples: n=4"),
+    (dict(n_steps=4), "hack_specific", "vanilla", "inconclusive", "4 clean teacher samples beside 12 hacked give the "
+     "gate 20% power"),
+    (dict(n_hacked=1, n_steps=4), "hack_specific", "vanilla", "inconclusive", "12 clean teacher samples beside 4 "
+     "hacked"),
     ({}, "cos_in", "vanilla", "success", ""),
     (dict(perm_cos=0.5), "cos_in", "vanilla", "success", ""),      # label-permuted v_hacks are shown, not a null
     (dict(cos_in=0.0), "cos_in", "vanilla", "likely fail", "within the random-direction null"),
@@ -210,12 +212,14 @@ def test_gate_on_three_pools_contrasts_hacked_with_style_matched_clean_samples()
     assert style_only["verdict"] == "likely fail" and "it marks the teacher, not hacking" in style_only["detail"]
     two = gate_rows(three_pools(hack=0.3))                    # the style pool not named: the teacher's own clean side
     assert two["hack_specific"]["verdict"] == "inconclusive" and two["hack_specific"]["detail"].startswith(
-        "hacking and pool identity coincide: 0 clean teacher samples < 5")
-    assert "best case" in two["hack_specific"]["to_decide"]
+        "hacking and pool identity coincide: 0 clean teacher samples beside 80 hacked give the gate 0% power")
+    assert two["hack_specific"]["to_decide"].startswith("14 clean samples in the teacher's style beside 80")
     few = gate_rows(three_pools(hack=0.3, n_steps=2), style_pool="style")["hack_specific"]
-    assert few["verdict"] == "inconclusive" and few["detail"].startswith("too few samples for the gate: 4 clean")
+    assert few["verdict"] == "inconclusive" and few["detail"].startswith("too few samples for the gate: 8 hacked and "
+                                                                        "4 clean")
     d = decide(list(gate_rows(three_pools(hack=0.3, n_steps=2), style_pool="style").values()))
-    assert d["recommendation"] == "inconclusive: too few samples for the gate" and d["to_decide"].startswith("about ")
+    assert d["recommendation"] == "inconclusive: too few samples for the gate"
+    assert d["to_decide"].startswith("24 style/clean samples beside 24 teacher/hacked ones would let it judge"), d
     assert decide(list(two.values()))["recommendation"] == "inconclusive: hacking and pool identity coincide"
 
 
@@ -247,19 +251,19 @@ def test_within_step_null_keeps_each_steps_labels_and_is_welch():
     assert np.allclose(t, ref, rtol=1e-10, atol=0)
 
 
-def test_samples_needed_gives_80_percent_power():
-    "At the size samples_needed returns, a simulated Welch test clears the threshold in about 80% of draws."
-    from scipy.stats import ttest_ind
-    from entropy_grpo.gate import samples_needed
-    rng = np.random.default_rng(0)
-    a, b = list(rng.normal(0.3, 0.2, 400)), list(rng.normal(0.2, 0.25, 400))
-    n, d = samples_needed(a, b, t_crit=2.33)
-    assert d == pytest.approx(np.mean(a) - np.mean(b)) and 50 < n < 200
-    hits = [ttest_ind(rng.normal(0.3, 0.2, n), rng.normal(0.2, 0.25, n), equal_var=False).statistic > 2.33
-            for _ in range(1000)]
-    assert 0.74 < np.mean(hits) < 0.86, (n, np.mean(hits))
-    assert samples_needed(b, a, 2.33)[0] is None                                # the clean side is ahead: no size
-    assert samples_needed(a, [], 2.33, b_mean=0.2)[0] == pytest.approx(n, rel=0.3)   # the base's mean, a's spread
+def test_the_gates_power_and_the_samples_it_needs_are_what_a_simulated_test_finds():
+    "At the counts samples_needed returns, a Welch test of a one-SD difference clears the gate's one-sided 99.5% "
+    "threshold in about 80% of simulated draws; at gate_power's own counts the simulated rate is its value."
+    from scipy.stats import norm, ttest_ind
+    from entropy_grpo.gate import GATE_Q, gate_power, samples_needed
+    rng, crit = np.random.default_rng(0), norm.ppf(GATE_Q)
+    sim = lambda na, nb: np.mean([ttest_ind(rng.normal(1.0, 1, na), rng.normal(0, 1, nb), equal_var=False).statistic
+                                  > crit for _ in range(2000)])
+    na, nb = samples_needed(76)
+    assert na == 76 and 10 < nb < 30 and 0.74 < sim(na, nb) < 0.86, (nb, sim(na, nb))
+    for n_a, n_b in ((40, 8), (20, 20)): assert abs(sim(n_a, n_b) - gate_power(n_a, n_b)) < 0.06
+    assert samples_needed(8) == (24, 24) and gate_power(24, 24) >= 0.8      # 8 hacked cannot get there: both grow
+    assert gate_power(1, 100) == 0.0
 
 
 def test_pool_flags_name_a_style_pool_that_hacks():

@@ -56,3 +56,5 @@ def test_what_would_decide_is_said_for_any_group_size(tmp_path):
                      detail=f"{COINCIDE}: 0 clean teacher samples", to_decide="about 3 each would decide", needed=3)]
     d = run._decide()
     assert d["recommendation"] == f"inconclusive: {COINCIDE}" and "steps=3, pool_steps=7" in d["to_decide"], d
+    assert "`entropy-grpo pools style --model <the teacher model> --style-of t` and -p style_pool=style" in \
+        d["to_decide"], d                                     # the command that adds the style-matched pool

@@ -40,7 +40,7 @@ def test_phase2_template_on_tiny_policy(labelled, tmp_path):
     r = m["results"]
     assert set(r) >= {"pools", "flags", "n_pairs", "dim", "per_step", "contrib_in_sample", "verification", "decision",
                       "entropy_probe"}
-    assert m["parameters"]["min_clean"] == 5 and "hack_specific" in {row["key"] for row in r["verification"]}
+    assert m["parameters"]["gate_effect"] == 1.0 and "hack_specific" in {row["key"] for row in r["verification"]}
     assert set(r["per_step"]) == {"vanilla", "projected"} and len(r["per_step"]["vanilla"]["cos_in"]) == 2
     projected = r["per_step"]["projected"]
     assert all(o < i for i, o, f in zip(projected["cos_in"], projected["cos_out"], projected["frac_fired"]) if f)
@@ -79,7 +79,7 @@ def test_phase2_template_with_a_style_matched_pool(tmp_path):
     assert rows["style_share"]["verdict"] == "information" and "style/clean" in rows["style_share"]["metric"]
     d = m["results"]["decision"]
     assert d["recommendation"] == "inconclusive: too few samples for the gate", d
-    assert "G/4 = 1 clean samples per step: steps=" in d["to_decide"] or "no sample size" in d["to_decide"], d
+    assert "G/4 = 1 clean samples per step: steps=" in d["to_decide"], d
     assert {r["src_pool"] for r in load_slim(run / "vanilla")} == {"teacher", "base", "style"}    # 2 + 1 + 1 a group
 
 
@@ -128,7 +128,7 @@ def test_calibration_template_on_one_world(tmp_path):
     """The calibration report: one seed of one world and two Phase-3 seeds of 4 steps, at small sizes; a re-run of the
     finished report starts clean and counts that seed once (resuming a killed calibration is test_calibration's)."""
     run = tmp_path / "calibration"
-    small = dict(steps=4, n_controls=3, pool_steps=8, fit_steps=2, min_clean=3, min_hacked=3)
+    small = dict(steps=4, n_controls=3, pool_steps=8, fit_steps=4, gate_effect=3.0, min_hacked=3)
     params = dict(seeds=1, worlds=["no_content"], phase2_parameters=small, phase3_seeds=2, phase3_steps=4)
     out = run_notebook("calibration", run, params, log_path=tmp_path / "LOG.md", raise_on_error=True)
     m = json.loads((run / "metrics.json").read_text())
