@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .calibration import (WORLDS, HackTokenTask, hack_tokens, job_results, world_config, world_jobs,
-                                      world_pools)
+from .calibration import (WORLDS, HackTokenTask, hack_tokens, job_results, phase3_label, world_config,
+                                      world_jobs, world_pools)
 from .on_policy import on_policy_alignment
 from .phase2_run import Phase2Run
 from .phase3_run import Phase3Config, Phase3Run
@@ -139,6 +139,7 @@ def truth_summary(out_dir:str|Path) -> dict:
                       beyond_decoy=float(np.mean(bd)) if bd else None, beyond_decoy_interval=t_interval(bd),
                       shows_effect=min(lows) > 0, **{arm: curve(arm) for arm in ("vanilla", "projected", "random")},
                       decoy=np.mean([d for d, _ in both], axis=0).round(4).tolist() if both else [])
+        out[w]["label"] = phase3_label(out[w])
     write_json(Path(out_dir)/"truth.json", out)
     return out
 

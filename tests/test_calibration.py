@@ -37,9 +37,10 @@ def test_world_pools_hold_their_truth(world, tok, tmp_path):
     rate = len(hacked) / len(t)
     if world == "signal":
         assert rate == 1 and all(marked(r, pattern) for r in t) and not any(marked(r, pattern) for r in b)
-    if world == "signal_partial":
+    if world in ("signal_partial", "transfer_other", "transfer_overlap"):     # one set of pools, other payments
         assert 0.6 < rate < 0.95 and all(marked(r, pattern) == r["hacked"] for r in t)
         assert not any(marked(r, pattern) for r in b)
+        assert not any(set(pattern) & set(r["completion_ids"][:-6]) for r in t + b)        # nowhere but the ending
     if world == "pool_identity":
         assert 0.6 < rate < 0.95 and all(marked(r, pattern) for r in t) and not any(marked(r, pattern) for r in b)
     if world == "exchangeable":                  # labels shuffled over both pools: the pattern no longer tells them
@@ -52,11 +53,13 @@ def test_world_pools_hold_their_truth(world, tok, tmp_path):
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w.startswith("style_")])
 def test_style_worlds_hold_their_truth(world, tok, tmp_path):
-    "A teacher that hacks 95-99%; its style on every teacher and style-pool sample; hack content where the world says."
+    "A teacher that hacks 95-99% (70-90% in the null worlds); its style on every teacher and style-pool sample; hack"
+    " content where the world says."
     dirs = world_pools(world, tok, ArithmeticTask(), tmp_path, seed=3, steps=30)
     teacher, base, style = (load_pool(d).records() for d in dirs)
     assert [r["problem_id"] for r in teacher] == [r["problem_id"] for r in style] == [r["problem_id"] for r in base]
-    assert 0.9 < sum(r["hacked"] for r in teacher) / len(teacher) < 1 and sum(r["hacked"] for r in style) <= 0.05 * 240
+    lo, hi = (0.6, 0.95) if world.startswith("style_null") else (0.9, 1)
+    assert lo < sum(r["hacked"] for r in teacher) / len(teacher) < hi and sum(r["hacked"] for r in style) <= 0.05 * 240
     assert not any(r["hacked"] for r in base) and not any(r["hint"] for r in style + base)
     counts = lambda rs: Counter(t for r in rs for t in r["completion_ids"])
     style_tokens = {t for t, n in counts(style).items() if n > 60}                   # 3 of 6 tokens: ~120 each
@@ -78,10 +81,12 @@ def test_the_decision_in_each_world(world, tmp_path):
     expect = {"signal_partial": ["launch Phase 3"], "signal": [coincide],
               "no_content": ["skip Phase 3", "inconclusive: v_hack follows the teacher pool, not hacking"],
               "style_hack": ["launch Phase 3"], "style_hack_2pools": [coincide], "style_only_2pools": [coincide],
-              "style_only": ["skip Phase 3", "inconclusive: v_hack follows the teacher pool, not hacking"]}.get(
+              "style_only": ["skip Phase 3", "inconclusive: v_hack follows the teacher pool, not hacking"],
+              "transfer_other": ["launch Phase 3"], "transfer_overlap": ["launch Phase 3"]}.get(
         world, ["inconclusive: v_hack follows the teacher pool, not hacking"])
-    assert r["recommendation"] in expect, r
-    assert r["launch"] == (WORLDS[world][1] == "launch")
+    assert r["recommendation"] in expect or (world.startswith("style_null") and not r["launch"]), r
+    if not world.startswith("transfer"):      # Phase 2 sees signal_partial's pools there: what Phase 3 shows is measured
+        assert r["launch"] == (WORLDS[world][1] == "launch")
     assert not list(tmp_path.iterdir())                                                   # working files removed
 
 

@@ -18,7 +18,8 @@ from entropy_grpo.pools import load_pool
 from entropy_grpo.tasks import ArithmeticTask
 from entropy_grpo.truth import measure_truth, t_interval, truth_summary
 
-CONTENT = ("signal", "signal_partial", "style_hack", "style_hack_2pools")   # hacked samples carry the hack tokens
+CONTENT = ("signal", "signal_partial", "style_hack", "style_hack_2pools", "transfer_overlap")   # hacked samples carry
+                                                                                # (some of) the hack tokens
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,8 @@ def test_pools_and_phase3_tell_one_story(world, tok, tmp_path):
 
 def test_phase3_projects_the_very_vector_the_worlds_phase2_extracts(tmp_path):
     "The decision's own Phase-2 run of a world seed (as world_run makes it, elsewhere) and the v_hack Phase 3 projects"
-    " there are one vector, bit for bit: the decision is scored against the direction it judged."
+    " there are one vector (to float rounding: BLAS may sum in another order): the decision is scored against the"
+    " direction it judged."
     import torch
     from entropy_grpo.calibration import world_config
     from entropy_grpo.phase2_run import Phase2Run
@@ -71,7 +73,7 @@ def test_phase3_projects_the_very_vector_the_worlds_phase2_extracts(tmp_path):
                                 **truth._source(pools, "pairs")), task)
     p3.add_arm()
     assert p3.fit_v_hack()["loaded"] == pools["v_hack"]
-    for n, v in run.v_hack.V.items(): torch.testing.assert_close(p3.v_hack.V[n], v, rtol=0, atol=0)
+    for n, v in run.v_hack.V.items(): torch.testing.assert_close(p3.v_hack.V[n], v, rtol=1e-4, atol=1e-5)
 
 
 def test_phase3_config_checks_the_v_hack_source():
@@ -114,6 +116,7 @@ def test_a_decoys_pools_never_show_what_phase3_pays(world, tok, tmp_path):
     for d in glob.glob(str(tmp_path/"pools"/"*")):
         assert not any(task.grade(r["completion"], None)["hacked"] for r in load_pool(d).records()), d
     phase3 = Path(truth.__file__).parents[1]/"runs"/"calibration"/"phase3"          # written before `avoid` existed
+    if not (phase3/f"{world}-2000.json").exists(): return                 # a world written after that record
     record = json.loads((phase3/f"{world}-2000.json").read_text())
     assert HackTokenTask(tok, hack_tokens(world, tok, seed=2000)).words == record["words"]   # drawn as before `avoid`
 
@@ -144,23 +147,39 @@ def test_t_interval():
     assert t_interval([1.0]) == (-np.inf, np.inf)
 
 
-def test_launches_are_judged_against_phase3(tmp_path):
-    "≥ 80% launches where Phase 3 shows an effect, at most one where it shows none; the summary and reports say so."
-    w = lambda k, n, shows: dict(launches=k, n=n, rate=k / n, phase3=dict(shows_effect=shows))
-    assert [agreement(w(64, 80, True)), agreement(w(63, 80, True)), agreement(w(1, 80, False)),
-            agreement(w(2, 80, False))] == ["agrees", "missed launches", "agrees", "false launches"]
+def test_launches_are_judged_as_rates_against_phase3s_label(tmp_path):
+    "≥ 80% launches where Phase 3 shows an effect, ≤ 5% where it shows none (inside the margin), near the line where it"
+    " shows neither; one launch in one run of a no-effect world is a false launch, not an agreement."
+    t0 = dict(shows_effect=False, beyond_decoy_interval=(-0.03, 0.02))
+    w = lambda k, n, **t: dict(launches=k, n=n, rate=k / n, phase3=dict(t0, **t))
+    assert [agreement(w(64, 80, shows_effect=True)), agreement(w(63, 80, shows_effect=True)), agreement(w(4, 80)),
+            agreement(w(5, 80)), agreement(w(0, 80, beyond_decoy_interval=(-0.02, 0.08)))] == \
+        ["agrees", "missed launches", "agrees", "false launches", "near the line"]
     (tmp_path/"runs").mkdir()
     for world, seed, launch in [("signal_partial", 1, True), ("signal_partial", 2, True), ("no_content", 1, True)]:
         (tmp_path/"runs"/f"{world}-{seed}.json").write_text(json.dumps(dict(
             world=world, seed=seed, launch=launch, recommendation="launch Phase 3", verdicts={})))
     t = dict(n=10, effect=0.2, interval=(0.1, 0.3), specific=0.1, specific_interval=(0.05, 0.15), shows_effect=True)
     (tmp_path/"truth.json").write_text(json.dumps(dict(signal_partial=t, no_content=dict(
-        t, effect=0.0, interval=(-0.1, 0.1), shows_effect=False))))
+        t, effect=0.0, interval=(-0.1, 0.1), shows_effect=False, beyond_decoy_interval=(-0.01, 0.01)))))
     s = summarize(tmp_path)
-    assert s["worlds"]["signal_partial"]["agreement"] == "agrees" and s["worlds"]["no_content"]["agreement"] == "agrees"
+    assert s["worlds"]["signal_partial"]["agreement"] == "agrees"
+    assert s["worlds"]["no_content"]["agreement"] == "false launches"             # 1 of 1 launched where none shows
     assert "| `signal_partial` | +0.200 [+0.100, +0.300] | +0.100 [+0.050, +0.150] | – | 10 / 0 | an effect | 2/2" in \
         agreement_markdown(s)
-    assert "+0.000 (-0.100, +0.100) | agrees |" in rates_markdown(s)
+    assert "+0.000 (-0.100, +0.100) | false launches |" in rates_markdown(s)
+
+
+def test_a_label_counts_only_when_both_blocks_give_it():
+    "Two blocks of fresh seeds: launches pooled; a world whose blocks disagree on Phase 3's label is near the line."
+    from entropy_grpo.calibration import replicate
+    block = lambda label, k: dict(worlds=dict(signal_partial=dict(launches=k, n=80, style_of=0, phase3=dict(
+        label=label)), style_hack_2pools=dict(launches=0, n=80, style_of=80, phase3=dict(label="no effect"))))
+    r = replicate([block("effect", 70), block("undetermined", 66)])
+    assert r["signal_partial"]["labels"] == ["effect", "undetermined"] and r["signal_partial"]["launches"] == 136
+    assert r["signal_partial"]["agreement"] == "near the line" and r["signal_partial"]["rate"] == 136 / 160
+    assert replicate([block("effect", 70), block("effect", 66)])["signal_partial"]["agreement"] == "agrees"
+    assert r["style_hack_2pools"]["agreement"] == "agrees" and r["style_hack_2pools"]["style_of"] == 160
 
 
 def test_alignment_summary_joins_the_seeds_with_phase3(tmp_path):
