@@ -91,6 +91,7 @@ class CarriedVHack:
     @property
     def k(self) -> int: return self.at().k
 
+# %% ../nbs/05d_carry.ipynb #8f58a657
 def carry_v_hack(v_hack:VHack, adapter:Adapter) -> VHack:
     "Phase 2's δS v_hack as rows in `adapter`'s coordinates at its parameters now (`CarriedVHack` follows a LoRA)."
     return CarriedVHack(v_hack, adapter).at()

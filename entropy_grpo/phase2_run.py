@@ -112,9 +112,8 @@ def _check(self:Phase2Config):
         raise ValueError(f"fit_steps={self.fit_steps}: expected 1 <= fit_steps < pool_steps={self.pool_steps}")
     if not self.lrs or min(self.lrs) <= 0: raise ValueError(f"lrs={self.lrs}: expected positive learning rates")
     if bool(self.teacher_pool) != bool(self.base_pool) or (self.style_pool and not self.teacher_pool):
-        raise ValueError(f"teacher_pool={self.teacher_pool!r}, base_pool={self.base_pool!r}, style_pool="
-                         f"{self.style_pool!r}: expected teacher and base (and optionally style) pools, or none (build "
-                         "them)")
+        raise ValueError(f"teacher_pool={self.teacher_pool!r}, base_pool={self.base_pool!r}, style_pool={self.style_pool!r}"
+                         ": expected teacher and base (and optionally style) pools, or none (build them)")
     if self.task not in ("", "arithmetic") and not self.teacher_pool:
         raise ValueError(f"task={self.task!r} without pools: build them with `entropy-grpo pools --task {self.task}` "
                          "(teacher --hint, its --style-of pool, the base) and give teacher_pool and base_pool")
@@ -292,6 +291,7 @@ def _decide(self:Phase2Run) -> dict:
         d["to_decide"] += f"; at G/4 = {per_step} clean samples per step: {pool}steps={S}, pool_steps={S + c.fit_steps}"
     return d
 
+# %% ../nbs/06b_phase2_run.ipynb #8dd592e2
 def _style_advice(c:Phase2Config) -> str:
     "How to add the style-matched pool: the command for given pools, the parameter for pools the probe builds."
     if not c.teacher_pool: return "add the style-matched pool: -p style_matched=True"

@@ -120,6 +120,7 @@ def at(self:VHack) -> "VHack":
     "Itself: its rows do not move with θ (a v_hack carried into a LoRA does: `carry.CarriedVHack.at`)."
     return self
 
+# %% ../nbs/05_projection_arms.ipynb #59fccf09
 @patch
 def check(self:VHack, adapter:Adapter) -> "VHack":
     "ValueError when this v_hack was made for another model, adapter, target set or shape; else self."
@@ -334,6 +335,7 @@ def _ready(v_hack, adapter:Adapter):
         raise ValueError(f"a carried v_hack ({type(v_hack).__name__}) must be carried into this arm's own adapter")
     return v_hack
 
+# %% ../nbs/05_projection_arms.ipynb #7508dc31
 @patch
 def _project(self:ProjectionArm, grads:dict) -> tuple[dict, dict]:
     "Per-module grads -> (grads this arm applies, scalar stats)."

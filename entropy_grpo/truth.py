@@ -39,6 +39,7 @@ def world_task(
             dict(teacher_pool=dirs[0], base_pool=dirs[1], style_pool=dirs[2] if p2.style_pool else "",
                  v_hack=str(Path(p2.out_dir)/"v_hack.safetensors")))
 
+# %% ../nbs/06e_truth.ipynb #59df2b79
 DECOY_SEED = 1_000_000   # a decoy's pools: the same world written at seed + DECOY_SEED (other tokens, never paid)
 
 def _source(pools:dict, source:str) -> dict:

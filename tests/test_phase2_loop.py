@@ -76,7 +76,9 @@ def verdicts(rows):
 
 
 def test_planted_direction_is_real_and_effective(planted):
-    rows, md = verification_table(run_arms(planted, planted["fit"]("pairs", 99)), G=8)
+    "10 steps give the gate ~40 teacher samples: enough to judge a difference of 2 pooled SDs (the planted one is larger)"
+    " at 80% power, not the product's 1 SD."
+    rows, md = verification_table(run_arms(planted, planted["fit"]("pairs", 99)), G=8, gate_effect=2.0)
     v, d = verdicts(rows), decide(rows)
     assert v[("hack_specific", "vanilla")] == "success" and v[("cos_in", "vanilla")] == "success", md
     assert v[("cos_out_below_in", "projected")] == "by construction"
