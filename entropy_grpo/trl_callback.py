@@ -181,6 +181,23 @@ def pop(self:LossWeights) -> Tensor|None:
     return s
 
 # %% ../nbs/08_trl_callback.ipynb #9fdc2da7
+_SHARDED = (("tp", "tensor"), ("cp", "context"), ("sp", "sequence"))   # Trainer.get_<x>_size, what it splits
+
+def _check_parallelism(trainer):
+    "ValueError, in one line, for the setups the probe cannot measure: DeepSpeed, FSDP, tensor/context/sequence split."
+    for flag, name, why in (("is_deepspeed_enabled", "DeepSpeed", "its optimizer steps inside backward, so the "
+                             "callback would see θ⁺ and zeroed gradients"),
+                            ("is_fsdp_enabled", "FSDP", "its parameters are sharded, and the scoring copy and Δθ "
+                             "need whole tensors")):
+        if getattr(trainer, flag, False): raise ValueError(f"GRPOProbe does not support {name}: {why}; run it "
+                                                           "with DDP or one process")
+    for x, what in _SHARDED:
+        size = getattr(trainer, f"get_{x}_size", lambda: 1)()
+        if size > 1: raise ValueError(f"GRPOProbe does not support {what} parallelism ({x}_size={size}): the scoring "
+                                      "copy, E and Δθ need whole tensors and whole sequences; run it with DDP or one "
+                                      "process")
+
+# %% ../nbs/08_trl_callback.ipynb #6ccac749
 class GRPOProbe:
     "ΔH_true, ΔH₁, v_hack alignment (and projection) and the sampled distribution's entropy inside a GRPOTrainer run."
     def __init__(
@@ -192,12 +209,7 @@ class GRPOProbe:
         prompts:list|None=None,         # E's prompts as the train set has them; None: the first n_prompts rows
     ):
         self.config = c = config if isinstance(config, ProbeConfig) else ProbeConfig(**(config or {}))
-        for flag, name, why in (("is_deepspeed_enabled", "DeepSpeed", "its optimizer steps inside backward, so the "
-                                 "callback would see θ⁺ and zeroed gradients"),
-                                ("is_fsdp_enabled", "FSDP", "its parameters are sharded, and the scoring copy and Δθ "
-                                 "need whole tensors")):
-            if getattr(trainer, flag, False): raise ValueError(f"GRPOProbe does not support {name}: {why}; run it "
-                                                               "with DDP or one process")
+        _check_parallelism(trainer)
         if c.project and v_hack is None: raise ValueError("project=True needs a v_hack (and its adapter)")
         if v_hack is not None:
             if adapter is None: raise ValueError("a v_hack needs the adapter it was extracted in")

@@ -238,6 +238,10 @@ def test_bad_input_is_named(tiny, tmp_path):
     assert probe.entropy_hook is None
     rp = grpo_trainer(tiny, tmp_path, repetition_penalty=1.1)
     test_fail(lambda: sampling_config(rp), contains="repetition_penalty")
+    for x, what in (("tp", "tensor"), ("cp", "context"), ("sp", "sequence")):   # refused in one line, by name
+        split = grpo_trainer(tiny, tmp_path)
+        setattr(split, f"get_{x}_size", lambda: 2)
+        test_fail(lambda: GRPOProbe(split), contains=f"does not support {what} parallelism ({x}_size=2)")
 
 
 def test_the_probe_answers_every_trainer_event_and_no_misspelt_one(tiny, tmp_path):
