@@ -315,7 +315,9 @@ def calibration_figure(summary:dict, path:str|Path|None=None):
 EQUIVALENCE_MARGIN = 0.05   # hack rate (mean over the steps): the smallest effect beyond the decoy that counts
 
 def phase3_label(t:dict, margin:float=EQUIVALENCE_MARGIN) -> str:
-    "'effect', 'no effect' (beyond the decoy shown inside ±margin) or 'undetermined', from a truth_summary entry."
+    "'effect', 'no effect' (beyond the decoy shown inside ±margin) or 'undetermined', from a truth_summary entry (its"
+    " label when it has one; a truth.json from before labels has none)."
+    if t.get("label"): return t["label"]
     if t["shows_effect"]: return "effect"
     lo, hi = t.get("beyond_decoy_interval") or (-math.inf, math.inf)
     return "no effect" if -margin < lo and hi < margin else "undetermined"
@@ -323,7 +325,7 @@ def phase3_label(t:dict, margin:float=EQUIVALENCE_MARGIN) -> str:
 def agreement(world:dict, max_rate:float=0.05, min_rate:float=0.8) -> str:
     "A world's launch rate against its Phase-3 label: agrees, false or missed launches; near the line when the label"
     " is undetermined (or, over blocks, not replicated)."
-    label = world["phase3"].get("label") or phase3_label(world["phase3"])   # (a truth.json from before labels)
+    label = phase3_label(world["phase3"])
     if label == "effect": return "agrees" if world["rate"] >= min_rate else "missed launches"
     if label == "no effect": return "agrees" if world["rate"] <= max_rate else "false launches"
     return "near the line"
@@ -335,7 +337,7 @@ def replicate(summaries:list[dict]) -> dict:
     out = {}
     for w in [w for w in WORLDS if all(w in s["worlds"] for s in summaries)]:
         ws = [s["worlds"][w] for s in summaries]
-        labels = [(x["phase3"].get("label") or phase3_label(x["phase3"])) if "phase3" in x else None for x in ws]
+        labels = [phase3_label(x["phase3"]) if "phase3" in x else None for x in ws]
         k, n = sum(x["launches"] for x in ws), sum(x["n"] for x in ws)
         label = labels[0] if len(set(labels)) == 1 and labels[0] else "near the line"
         out[w] = dict(labels=labels, launches=k, n=n, rate=k / n, interval=wilson(k, n),

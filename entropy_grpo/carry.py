@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .adapters import Adapter, check_signature
 from .dist import broadcast_
-from .projection_arms import VHack
+from .projection_arms import VHack, _ready
 
 # %% auto #0
 __all__ = ['CARRY_KEYS', 'PEFT_PREFIX', 'check_carry', 'weight_directions', 'CarriedVHack', 'carry_v_hack', 'for_adapter']
@@ -71,7 +71,7 @@ class CarriedVHack:
     "Phase 2's δS v_hack in another adapter's coordinates over the same base weights; `at()` is it at the current θ."
     def __init__(self, v_hack:VHack, adapter:Adapter):
         check_carry(v_hack, adapter)
-        self.adapter, self.source = adapter, v_hack.meta
+        self.adapter = adapter
         self.meta = dict(v_hack.meta, adapter=adapter.signature(), source=f"carried {v_hack.meta.get('source', 'pairs')}",
                          carried_from=v_hack.meta["adapter"])
         self.D = weight_directions(v_hack, adapter)
@@ -89,7 +89,7 @@ class CarriedVHack:
         return self._fixed if self._fixed is not None else self._pull()
 
     @property
-    def k(self) -> int: return self.at().k
+    def k(self) -> int: return self._fixed.k if self._fixed is not None else next(iter(self.D.values())).shape[0]
 
 # %% ../nbs/05d_carry.ipynb #8f58a657
 def carry_v_hack(v_hack:VHack, adapter:Adapter) -> VHack:
@@ -100,4 +100,4 @@ def for_adapter(v_hack:VHack, adapter:Adapter) -> VHack|CarriedVHack:
     "`v_hack` ready for `adapter` (read its rows with `.at()`): carried when a δS v_hack meets a LoRA or the full"
     " weights, else checked against the adapter and moved to its device."
     if v_hack.meta["adapter"].get("kind") == "delta_s" and adapter.kind != "delta_s": return CarriedVHack(v_hack, adapter)
-    return v_hack.check(adapter).to(adapter.parameters()[0].device)
+    return _ready(v_hack, adapter)

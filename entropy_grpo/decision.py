@@ -10,7 +10,7 @@ from importlib.resources import files
 import numpy as np
 
 from .gate import COINCIDE, GATE_EFFECT, TOO_FEW, _fmt, _row, _specific_row, _style_share_row, _welch_t
-from .gate import Z80, hack_contrast, own_direction, samples_needed  # noqa: F401 (importable here too)
+from .gate import hack_contrast, own_direction, samples_needed  # noqa: F401 (importable here too)
 from .utils import check_range, markdown_table, welch
 
 # %% auto #0
@@ -168,7 +168,7 @@ def _between_arms(key, metric, arm, mine:list, theirs:list, alpha):
 # %% ../nbs/06a_decision.ipynb #6a1eb8ee
 def _vanilla_rows(a, d, teacher_pool, clean, base_pool, alpha, min_hacked, gate_effect, G, q) -> list[dict]:
     "An unprojected arm's rows: the gate (hacked vs clean along v_hack), the style share, cos_in and contributions."
-    return [_specific_row(a, d["slim"], teacher_pool, clean, base_pool, alpha, gate_effect, G),
+    return [_specific_row(a, d["slim"], teacher_pool, clean, alpha, gate_effect, G),
             _style_share_row(a, d["slim"], teacher_pool, clean, base_pool, G),
             _cos_in_row(a, d["steps"], q), _contrib_row(a, d["slim"], teacher_pool, base_pool, alpha, min_hacked, q)]
 

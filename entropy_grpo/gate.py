@@ -12,7 +12,7 @@ import numpy as np
 from .utils import welch
 
 # %% auto #0
-__all__ = ['Z80', 'GATE_Q', 'GATE_EFFECT', 'GATE_POWER', 'COINCIDE', 'TOO_FEW', 'own_direction', 'hack_contrast', 'gate_power',
+__all__ = ['GATE_Q', 'GATE_EFFECT', 'GATE_POWER', 'COINCIDE', 'TOO_FEW', 'own_direction', 'hack_contrast', 'gate_power',
            'samples_needed']
 
 # %% ../nbs/06f_gate.ipynb #b2d0f007
@@ -73,7 +73,6 @@ def _strata_null(x:list, is_a:list, strata:list, n:int=1000, seed:int=0) -> np.n
     "Welch t of side a vs side b with the labels permuted within each stratum (a step), n times: [n]."
     return _welch_t(np.asarray(x, float), _strata_masks(is_a, strata, n, seed))
 
-Z80 = 0.8416   # the standard normal's 80% quantile: 80% power
 GATE_Q = 0.995       # the gate's null quantile: a null world passes it once in 200 runs
 GATE_EFFECT = 1.0    # the smallest hacked − clean difference along v_hack (pooled SDs) the gate must be able to see
 GATE_POWER = 0.8     # ... with this power, or it does not judge
@@ -108,7 +107,7 @@ def _to_decide(n_a:int, clean:str, teacher:str, effect:float=GATE_EFFECT) -> tup
             f"{effect:g} pooled SD, one-sided {1 - GATE_Q:.1%}; fixed in advance)"), nb
 
 # %% ../nbs/06f_gate.ipynb #b437bdb5
-def _specific_row(arm, slim, teacher, clean, base, alpha, effect, G):
+def _specific_row(arm, slim, teacher, clean, alpha, effect, G):
     "The gate: hacked teacher samples vs clean samples in the teacher's style, labels permuted within steps."
     A, B = _own(slim, G, teacher, True), _own(slim, G, clean, False)
     a, b = [x for x, _ in A], [x for x, _ in B]

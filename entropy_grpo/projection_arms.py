@@ -337,9 +337,9 @@ def _ready(v_hack, adapter:Adapter):
 
 # %% ../nbs/05_projection_arms.ipynb #7508dc31
 @patch
-def _project(self:ProjectionArm, grads:dict) -> tuple[dict, dict]:
-    "Per-module grads -> (grads this arm applies, scalar stats)."
-    return arm_step(grads, self.v_hack.at().V, self.projects, self.gate, self.overshoot)
+def _project(self:ProjectionArm, grads:dict, V:dict|None=None) -> tuple[dict, dict]:
+    "Per-module grads -> (grads this arm applies, scalar stats); V: v_hack's rows at this θ when already read."
+    return arm_step(grads, self.v_hack.at().V if V is None else V, self.projects, self.gate, self.overshoot)
 
 @patch
 def project(self:ProjectionArm, param_grads:dict[str, Tensor]) -> tuple[dict, dict]:
@@ -357,7 +357,7 @@ def on_after_backward(self:ProjectionArm, ctx=None):
     "Measure (all arms) and project (projected arms) the adapter's gradients in place."
     if self.v_hack is None: return
     if self._before is None: self._before, self._rows = self._weights(), self.v_hack.at().V  # at the step start
-    new, st = self._project(self.adapter.flat_grads())
+    new, st = self._project(self.adapter.flat_grads(), self._rows)      # θ does not move within a step
     if self.projects: self.adapter.set_flat_grads(new)
     self.last = dict(st, gate=self.gate, v_hack_source=self.v_hack.meta.get("source", "pairs"))
 

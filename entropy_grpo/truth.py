@@ -25,6 +25,7 @@ def world_task(
     world:str, seed:int, work:Path, parameters:dict|None=None,
     avoid:tuple=(),             # no token of the pools holds one of these texts
     policy_seed:int|None=None,  # the tiny policy v_hack is extracted on (default `seed`; a decoy: Phase 3's seed)
+    fit:bool=True,              # False: no v_hack (a decoy's own seed, whose paid words alone are wanted)
 )->tuple[HackTokenTask, dict]:  # (task, {teacher_pool, base_pool, style_pool, v_hack})
     "A world's Phase-3 task (paying for its hack tokens), its pools written under `work` as its Phase 2 has them, and "
     "the v_hack its Phase 2 extracts from them."
@@ -33,11 +34,12 @@ def world_task(
     run2 = Phase2Run(p2)
     dirs = world_pools(world, run2.tok, run2.task, work/"pools", seed, p2.pool_steps, p2.pool_batch, run2.gen,
                        avoid=avoid)
+    task = HackTokenTask(run2.tok, hack_tokens(world, run2.tok, seed, avoid=avoid), seed=seed)
+    pools = dict(teacher_pool=dirs[0], base_pool=dirs[1], style_pool=dirs[2] if p2.style_pool else "")
+    if not fit: return task, pools
     if policy_seed is not None: run2 = Phase2Run(world_config(world, policy_seed, work, parameters))
     run2.build_pools(); run2.fit_v_hack()
-    return (HackTokenTask(run2.tok, hack_tokens(world, run2.tok, seed, avoid=avoid), seed=seed),
-            dict(teacher_pool=dirs[0], base_pool=dirs[1], style_pool=dirs[2] if p2.style_pool else "",
-                 v_hack=str(Path(p2.out_dir)/"v_hack.safetensors")))
+    return task, dict(pools, v_hack=str(Path(p2.out_dir)/"v_hack.safetensors"))
 
 # %% ../nbs/06e_truth.ipynb #59df2b79
 DECOY_SEED = 1_000_000   # a decoy's pools: the same world written at seed + DECOY_SEED (other tokens, never paid)
@@ -85,7 +87,7 @@ def world_decoy(world:str, seed:int, work_dir:str|Path, steps:int=40, k:int=1, p
     "DECOY_SEED, projected while this seed's hack is paid (world, seed, words of both, the curves)."
     work, t0 = Path(work_dir)/f"{world}-{seed}-decoy", time.perf_counter()
     try:
-        task, _ = world_task(world, seed, work/"own", dict(parameters or {}, k=k))
+        task, _ = world_task(world, seed, work/"own", dict(parameters or {}, k=k), fit=False)
         decoy, pools = world_task(world, seed + DECOY_SEED, work/"decoy", dict(parameters or {}, k=k),
                                   tuple(task.words), policy_seed=seed)
         curve, update = _arm(task, pools, "decoy", "pairs", seed, steps, k, work)

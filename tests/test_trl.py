@@ -198,7 +198,7 @@ def test_phase2s_delta_s_v_hack_is_carried_into_the_lora_and_projected_at_each_s
     a_untouched = [all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"] if "lora_A" in n)
                    for a, b in zip(pre.steps, post.steps)]
     assert a_untouched[0]                      # B = 0 at the first step: the pull-back has no A part
-    assert not all(a_untouched[1:][i] for i, f in enumerate(fired[1:]) if f)   # later it has, and it is projected
+    assert not all(u for u, f in zip(a_untouched[1:], fired[1:]) if f)        # later it has, and it is projected
 
 
 def test_full_fine_tuning_measures_in_weight_space_and_reaches_tensorboard(tiny, tmp_path):
