@@ -20,13 +20,16 @@ build_pools() {   # setting task
 }
 build_pools A "$LEAK" & build_pools B "$DECOY" & wait
 
-# Phase 2 per setting (two threads: one probe at a time), done when its report.ipynb is; its v_hack.safetensors is
-# what the arms project
-for s in A B; do
-  task=$LEAK; [ "$s" = B ] && task=$DECOY
-  [ -f "$D/$s-phase2/report.ipynb" ] || OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 \
-    $E probe --out "$D/$s-phase2" --seed "$first" -p task="'$task'" $(pools_of "$s")
-done
+# Phase 2 per setting (two threads: one probe at a time), done when its report.ipynb is. The arms need only its
+# v_hack.safetensors, which the probe writes in its first minutes (a re-run writes the same tensors): a setting with one
+# goes on to the arms, and its report is completed after the block's seeds, so that a session too short for a whole
+# probe (about 2 h 50 min of both cores) still advances the arms.
+phase2() {   # setting file-that-marks-it-done
+  local task=$LEAK; [ "$1" = B ] && task=$DECOY
+  [ -f "$D/$1-phase2/$2" ] || OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 \
+    $E probe --out "$D/$1-phase2" --seed "$first" -p task="'$task'" $(pools_of "$1")
+}
+for s in A B; do phase2 "$s" v_hack.safetensors; done
 
 sweep() {   # sweep-dir seeds... -- arms and parameters
   local dir=$1; shift
@@ -39,3 +42,4 @@ for ((s = first; s < first + n; s += 2)); do
   sweep random --seeds "${seeds[@]}" --arms projected -p v_hack_source="'random'" $(pools_of A)
   sweep lora --seeds "${seeds[@]}" --arms vanilla_lora projected_lora $(pools_of A)
 done
+for s in A B; do phase2 "$s" report.ipynb; done
