@@ -15,9 +15,9 @@ from .utils import atomic_path, check_choice, quiet_checkpointing_name
 # %% auto #0
 __all__ = ['log', 'DEFAULT_POLICY', 'DEFAULT_GGUF', 'SMOLLM2_INSTALL', 'CHECKPOINT_ABOVE', 'PROBE_CHECKPOINT_ABOVE', 'TINY_EOS',
            'TINY_PAD', 'default_device', 'resolve_dtype', 'wants_checkpointing', 'set_checkpointing',
-           'checkpointed_train_mode', 'full_precision_norms', 'prepare_tokenizer', 'cache_dir', 'smollm2_gguf_path',
-           'convert_default_policy', 'load_policy', 'tokenizer_fingerprint', 'adapter_base', 'tiny_tokenizer',
-           'tiny_policy', 'policy_by_name']
+           'checkpointed_train_mode', 'full_precision_norms', 'own_norms', 'prepare_tokenizer', 'cache_dir',
+           'smollm2_gguf_path', 'convert_default_policy', 'load_policy', 'tokenizer_fingerprint', 'adapter_base',
+           'tiny_tokenizer', 'tiny_policy', 'policy_by_name']
 
 # %% ../nbs/00a_policies.ipynb #02453bff
 log = logging.getLogger(__name__)
@@ -86,6 +86,12 @@ def full_precision_norms(model) -> int:
         if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and hasattr(m, "weight"):
             m.forward = types.MethodType(_rms_norm_forward, m); n += 1
     return n
+
+def own_norms(model) -> int:
+    "Undo `full_precision_norms`: each RMSNorm computes as its class does again; the count."
+    patched = [m for m in model.modules() if getattr(vars(m).get("forward"), "__func__", None) is _rms_norm_forward]
+    for m in patched: del m.forward
+    return len(patched)
 
 # %% ../nbs/00a_policies.ipynb #42d217e6
 def prepare_tokenizer(tokenizer):

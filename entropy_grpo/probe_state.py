@@ -5,6 +5,7 @@
 # %% ../nbs/02a_probe_state.ipynb #b91a47ef
 from __future__ import annotations
 import copy, random
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -12,10 +13,11 @@ import torch
 from .policies import (PROBE_CHECKPOINT_ABOVE, checkpointed_train_mode, full_precision_norms,
                                    wants_checkpointing)
 from .sequence_processor import SequenceProcessor
-from .utils import base_optimizer
+from .utils import base_optimizer, kept_modes
 
 # %% auto #0
-__all__ = ['ULP_CHUNK', 'TrainingState', 'probe_dtype', 'plain_forward', 'cast_copy', 'probe_checkpointing', 'probe_copy']
+__all__ = ['ULP_CHUNK', 'TrainingState', 'probe_dtype', 'plain_forward', 'cast_copy', 'probe_checkpointing', 'scoring_mode',
+           'probe_copy']
 
 # %% ../nbs/02a_probe_state.ipynb #27ae576c
 class TrainingState:
@@ -82,6 +84,25 @@ def probe_checkpointing(model, dtype:torch.dtype, setting:bool|str|None="auto") 
     return wants_checkpointing(model, setting, PROBE_CHECKPOINT_ABOVE if dtype == torch.float64 else None)
 
 # %% ../nbs/02a_probe_state.ipynb #c88b2875
+@contextmanager
+def scoring_mode(model:torch.nn.Module):
+    "`model` with no dropout anywhere for the block: eval mode, except the layers transformers checkpoints, which stay"
+    " in train mode (it recomputes activations only there) with their own drop rates at 0; every module's mode and"
+    " every rate as they were on leaving."
+    rates = []
+    with kept_modes(model):
+        model.eval()
+        for m in model.modules():
+            if getattr(m, "gradient_checkpointing", False) is True:
+                m.training = True
+                rates += [(m, k, v) for k, v in vars(m).items() if "drop" in k and isinstance(v, float) and v]
+        try:
+            for m, k, _ in rates: setattr(m, k, 0.0)
+            yield model
+        finally:
+            for m, k, v in rates: setattr(m, k, v)
+
+# %% ../nbs/02a_probe_state.ipynb #8dc423a6
 def probe_copy(
     sp:SequenceProcessor,             # scores the run's model
     optimizer:torch.optim.Optimizer|None,  # steps its parameters (or a wrapper holding it); None: no optimizer copy
@@ -96,7 +117,7 @@ def probe_copy(
     model = plain_forward(cast_copy(sp.model, dtype))
     if dtype == torch.float64: full_precision_norms(model)
     if probe_checkpointing(model, dtype, checkpointing): checkpointed_train_mode(model)
-    psp = SequenceProcessor(model, sp.tokenizer, sp.config, progress=sp.progress)
+    psp = SequenceProcessor(model, sp.tokenizer, sp.config, progress=sp.progress, eos_token_id=sp.eos)
     if optimizer is None: return psp, None
     optimizer, name = base_optimizer(optimizer), {id(p): n for n, p in sp.model.named_parameters()}
     new = dict(model.named_parameters())

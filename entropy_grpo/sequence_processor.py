@@ -17,7 +17,7 @@ from .policies import prepare_tokenizer
 from .rb_entropy import _scaled, token_stats
 from .sequences import (BatchedSequences, GenerationConfig, LogprobResults, completion_mask,  # noqa: F401
                                     pack_sequences)                     # (the data this module makes; importable here)
-from .utils import tqdm_disable
+from .utils import kept_modes, tqdm_disable
 
 # %% auto #0
 __all__ = ['PROBE_BATCH_KEYS', 'hf_generation_config', 'own_generation_config', 'SequenceProcessor', 'check_probe_batch',
@@ -88,10 +88,12 @@ def _cat_padded(parts:list[Tensor]) -> Tensor:
 # %% ../nbs/00_sequence_processor.ipynb #0dbafc79
 class SequenceProcessor:
     "Generate G completions per prompt and teacher-force them under the sampling distribution of `config`."
-    def __init__(self, model, tokenizer, config:GenerationConfig|None=None, progress:bool|None=None):
+    def __init__(self, model, tokenizer, config:GenerationConfig|None=None, progress:bool|None=None,
+                 eos_token_id:int|list|None=None):
         self.model, self.tokenizer = model, tokenizer
         self.config = config if config is not None else GenerationConfig()
         self.progress = progress    # tqdm: None = only on a terminal
+        self.eos = eos_token_id     # the stop tokens; None: the model's generation config's, else the tokenizer's
         prepare_tokenizer(tokenizer)
 
 # %% ../nbs/00_sequence_processor.ipynb #92010b38
@@ -100,7 +102,7 @@ def device(self:SequenceProcessor): return next(self.model.parameters()).device
 
 @patch(as_prop=True)
 def eos_token_id(self:SequenceProcessor):
-    e = self.model.generation_config.eos_token_id
+    e = self.eos if self.eos is not None else self.model.generation_config.eos_token_id
     return e if e is not None else self.tokenizer.eos_token_id
 
 @patch
@@ -138,24 +140,20 @@ def _left_pad(self:SequenceProcessor, ids:list) -> tuple[Tensor, Tensor]:
 def _sample(self:SequenceProcessor, prompt_block:Tensor, attn_block:Tensor, G:int, per_call:int, seed:int) -> list:
     "G completions per prompt, `per_call` prompts per seeded generate call: a [per_call*G, L] token block per call."
     gcfg = hf_generation_config(self.config, self.tokenizer, self.eos_token_id)
-    completions, was_training = [], self.model.training
-    self.model.eval()
-    devices = [self.device] if self.device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            for ci, s in enumerate(tqdm(range(0, len(prompt_block), per_call), desc="generate",
-                                        disable=tqdm_disable(self.progress), mininterval=5)):
-                torch.manual_seed(seed * 1_000_003 + ci)
-                pb, ab = prompt_block[s:s + per_call], attn_block[s:s + per_call]
-                keep = ab.any(0).nonzero()[0, 0]           # drop columns that are padding for every prompt here
-                pb, ab = pb[:, keep:].to(self.device), ab[:, keep:].to(self.device)
-                with own_generation_config(self.model):
-                    out = self.model.generate(input_ids=pb.repeat_interleave(G, 0),
-                                              attention_mask=ab.repeat_interleave(G, 0),
-                                              generation_config=gcfg)
-                completions.append(out[:, pb.shape[1]:].cpu())
-    finally:
-        self.model.train(was_training)
+    completions, devices = [], [self.device] if self.device.type == "cuda" else []
+    with kept_modes(self.model), torch.random.fork_rng(devices=devices):
+        self.model.eval()
+        for ci, s in enumerate(tqdm(range(0, len(prompt_block), per_call), desc="generate",
+                                    disable=tqdm_disable(self.progress), mininterval=5)):
+            torch.manual_seed(seed * 1_000_003 + ci)
+            pb, ab = prompt_block[s:s + per_call], attn_block[s:s + per_call]
+            keep = ab.any(0).nonzero()[0, 0]           # drop columns that are padding for every prompt here
+            pb, ab = pb[:, keep:].to(self.device), ab[:, keep:].to(self.device)
+            with own_generation_config(self.model):
+                out = self.model.generate(input_ids=pb.repeat_interleave(G, 0),
+                                          attention_mask=ab.repeat_interleave(G, 0),
+                                          generation_config=gcfg)
+            completions.append(out[:, pb.shape[1]:].cpu())
     return completions
 
 # %% ../nbs/00_sequence_processor.ipynb #f01b75e5

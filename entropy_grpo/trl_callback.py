@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_trl_callback.ipynb #489685d0
 from __future__ import annotations
-import copy, math, time, warnings
+import copy, functools, math, time, warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -17,17 +17,18 @@ from .carry import for_adapter
 from .delta_entropy_is import DeltaEntropyIS, importance_config
 from .dist import all_reduce_sum, rank
 from .predictors import covariance_from_sums, covariance_sums
-from .probe_state import probe_copy, probe_dtype
+from .policies import full_precision_norms, own_norms
+from .probe_state import probe_copy, probe_dtype, scoring_mode
 from .probes import GRAD_H_ESTIMATORS, entropy_gradient
 from .projection_arms import COS_KEYS, GATES, VHack, arm_step
 from .rb_entropy import _scaled, token_stats
 from .sequence_processor import (BatchedSequences, GenerationConfig, SequenceProcessor, _final_logits,
                                              completion_mask)
-from .utils import check_choice, check_range, quiet_checkpointing_name
+from .utils import check_choice, check_range
 
 # %% auto #0
-__all__ = ['MIRRORED', 'NEUTRAL', 'LOGGED', 'TRAINER_EVENTS', 'ProbeConfig', 'sampling_config', 'GenerateEntropy', 'LossWeights',
-           'GRPOProbe', 'add_grpo_probe']
+__all__ = ['MIRRORED', 'NEUTRAL', 'LOGGED', 'TRAINER_EVENTS', 'ProbeConfig', 'sampling_config', 'trl_eos_ids', 'GenerateEntropy',
+           'LossWeights', 'GRPOProbe', 'add_grpo_probe']
 
 # %% ../nbs/08_trl_callback.ipynb #6733336e
 @dataclass
@@ -91,6 +92,15 @@ def sampling_config(
                             top_p=float(get("top_p", trainer.top_p)), top_k=int(get("top_k", trainer.top_k) or 0),
                             max_new_tokens=int(get("max_new_tokens", trainer.max_completion_length)),
                             num_generations=int(num_generations or trainer.num_generations), seed=0)
+
+def trl_eos_ids(trainer) -> list[int]:
+    "The tokens that end a completion in a GRPOTrainer run: the tokenizer's EOS, then the model's generation"
+    " config's (TRL's `eos_token_ids`; built the same way on a TRL that has no such attribute)."
+    if (ids := getattr(trainer, "eos_token_ids", None)) is not None: return list(ids)
+    g = trainer.model.generation_config.eos_token_id
+    g = [] if g is None else [g] if isinstance(g, int) else list(g)
+    e = getattr(trainer.processing_class, "tokenizer", trainer.processing_class).eos_token_id
+    return g if e in g else [e, *g]
 
 # %% ../nbs/08_trl_callback.ipynb #8ec3657e
 class GenerateEntropy:
@@ -215,8 +225,9 @@ class GRPOProbe:
             if adapter is None: raise ValueError("a v_hack needs the adapter it was extracted in")
             v_hack = for_adapter(v_hack, adapter)
         self.trainer, self.v_hack, self.adapter, self.prompts, self.E = trainer, v_hack, adapter, prompts, None
-        self.generation = sampling_config(trainer, c.num_generations)
+        self.generation, self.eos = sampling_config(trainer, c.num_generations), trl_eos_ids(trainer)
         self.history, self.entropy_hook, self.loss_weights, self._pending, self._rb = [], None, None, None, {}
+        self._remove_on_exit()
 
     def _log(self, values:dict, mode:str="train"):
         "Append scalars to TRL's metrics: `GRPOTrainer.log` averages them into the next record (and report_to)."
@@ -252,23 +263,36 @@ def on_train_begin(self:GRPOProbe, args, state, control, model=None, **kw):
     if c.every:                                 # the prompts and the scoring copy only when ΔH is measured at all
         prompts = self.prompts if self.prompts is not None else tr.train_dataset[:c.n_prompts]["prompt"]
         self.prompt_ids = [list(x) for x in tr._tokenize_prompts(list(prompts)[:c.n_prompts])[0]]
-        self.sp, _ = probe_copy(SequenceProcessor(model, tok, self.generation, progress=False), None,
-                                probe_dtype(c.dtype))
-        if self.sp.model is not model and not _checkpointed(self.sp.model): self.sp.model.eval()
+        self.sp, _ = probe_copy(SequenceProcessor(model, tok, self.generation, progress=False, eos_token_id=self.eos),
+                                None, probe_dtype(c.dtype))
+        if self.sp.model is model: own_norms(model)           # in place: float64 norms only while scoring
         own = dict(self.sp.model.named_parameters())
         self.copy = {n: own[n] for n in self.live}
         self.probe = DeltaEntropyIS(self.sp.model, self.sp.config, sequence_processor=self.sp)
     if c.rb_entropy and getattr(tr, "use_vllm", False):
         warnings.warn("GRPOProbe: entropy_rb is not logged with vLLM generation (its logits stay in vLLM)")
     elif c.rb_entropy:
-        eos = getattr(tr, "eos_token_ids", None) or tok.eos_token_id
-        self.entropy_hook = GenerateEntropy(model, self.generation, eos, self._on_generation).install()
+        self.entropy_hook = GenerateEntropy(model, self.generation, self.eos, self._on_generation).install()
     if c.covariance: self.loss_weights = LossWeights(tr).install()
 
 @patch
-def on_train_end(self:GRPOProbe, args, state, control, **kw):
-    if self.entropy_hook is not None: self.entropy_hook.remove()
-    if self.loss_weights is not None: self.loss_weights.remove()
+def on_train_end(self:GRPOProbe, args, state, control, **kw): self._remove_hooks()
+
+@patch
+def _remove_hooks(self:GRPOProbe):
+    "The trainer's `generate` and loss pass unwrapped (each removal a no-op when not installed)."
+    for h in (self.entropy_hook, self.loss_weights):
+        if h is not None: h.remove()
+
+@patch
+def _remove_on_exit(self:GRPOProbe):
+    "`trainer.train` wrapped so that the hooks come off however it ends (`on_train_end` is not called on an error)."
+    train = self.trainer.train
+    @functools.wraps(train)
+    def run(*args, **kw):
+        try: return train(*args, **kw)
+        finally: self._remove_hooks()
+    self.trainer.train = run
 
 # %% ../nbs/08_trl_callback.ipynb #1763e0c8
 @patch
@@ -296,20 +320,19 @@ def _sync(self:GRPOProbe):
     for n, p in self.live.items():
         if self.copy[n] is not p: self.copy[n].copy_(p)
 
-def _checkpointed(model) -> bool:
-    "Whether `model` recomputes activations in backward (asked by the name every transformers version knows)."
-    with quiet_checkpointing_name(): return bool(getattr(model, "is_gradient_checkpointing", False))
-
 # %% ../nbs/08_trl_callback.ipynb #cd73de00
 @patch
 @contextmanager
 def _scoring(self:GRPOProbe):
-    "The scoring model in eval mode for the block (the live model itself, scored in place, is restored after)."
+    "The scoring model with every dropout off for the block (`scoring_mode`); the live model, scored in place in"
+    " float64, has float64 norms for the block only: the training run computes as it would without the probe."
     m = self.sp.model
-    was = m.training
-    if not _checkpointed(m): m.eval()
-    try: yield
-    finally: m.train(was)
+    with scoring_mode(m):
+        patched = self.sp.model is self.trainer.model and probe_dtype(self.config.dtype) == torch.float64 and \
+            full_precision_norms(m)
+        try: yield
+        finally:
+            if patched: own_norms(m)
 
 # %% ../nbs/08_trl_callback.ipynb #52c3d914
 @patch

@@ -14,7 +14,7 @@ from torch import Tensor
 # %% auto #0
 __all__ = ['check_range', 'check_choice', 'split_task_spec', 'TemplateConfig', 'atomic_path', 'json_default', 'clean_json',
            'write_json', 'save_figure', 'welch', 'wilson', 'row_cosines', 'markdown_table', 'tqdm_disable',
-           'quiet_checkpointing_name', 'base_optimizer', 'trim_memory']
+           'quiet_checkpointing_name', 'kept_modes', 'base_optimizer', 'trim_memory']
 
 # %% ../nbs/00c_utils.ipynb #ebe88024
 def check_range(
@@ -174,6 +174,15 @@ def quiet_checkpointing_name():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         yield
+
+@contextmanager
+def kept_modes(model:torch.nn.Module):
+    "Every module's train/eval flag restored on leaving, as it was on entering (`model.train(was)` would set one flag"
+    " for all, losing a mix such as train-mode layers around eval-mode dropouts)."
+    modes = [(m, m.training) for m in model.modules()]
+    try: yield model
+    finally:
+        for m, t in modes: m.training = t
 
 # %% ../nbs/00c_utils.ipynb #a070b32f
 def base_optimizer(optimizer:torch.optim.Optimizer) -> torch.optim.Optimizer:

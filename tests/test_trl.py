@@ -31,11 +31,12 @@ P = "entropy_grpo/"
 
 
 def reward(completions, **kw):
-    "0.5 per digit, −0.05 per character: spread within every group."
-    return [0.5 * sum(ch.isdigit() for ch in c) - 0.05 * len(c) for c in completions]
+    "0.5 per digit, −0.05 per character: spread within every group (a conversational completion: its message's text)."
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [0.5 * sum(ch.isdigit() for ch in c) - 0.05 * len(c) for c in texts]
 
 
-def grpo_trainer(policy, out, peft=True, dtype=None, **kw):
+def grpo_trainer(policy, out, peft=True, dtype=None, lora_dropout=0.0, prompts=PROMPTS, rewards=reward, **kw):
     "A GRPOTrainer on a copy of `policy`: 4 prompts × G 4 per step, 8 tokens, top_p 0.9, lr 2e-3, 3 steps, CPU."
     model, tok = copy.deepcopy(policy)
     if dtype is not None: model.to(dtype)
@@ -43,9 +44,10 @@ def grpo_trainer(policy, out, peft=True, dtype=None, **kw):
                                 max_completion_length=8, max_steps=3, learning_rate=2e-3, temperature=1.0, top_p=0.9,
                                 use_cpu=True, logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True,
                                 report_to="none"), **kw})
-    return GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok,
-                       train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
-                       peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if peft else None)
+    return GRPOTrainer(model=model, reward_funcs=rewards, args=args, processing_class=tok,
+                       train_dataset=Dataset.from_dict({"prompt": list(prompts) * 4}),
+                       peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                              lora_dropout=lora_dropout) if peft else None)
 
 
 class Recorder(TrainerCallback):
@@ -425,3 +427,158 @@ def test_covariance_predictor_reads_the_weights_of_the_loss_trl_backpropagates(t
         want = covariance_from_sums(a + b, lr)
         assert want != 0 and got[step] == pytest.approx(want, rel=1e-5), (step, got[step], want)
     assert "_get_per_token_logps_and_entropies" not in vars(trainer) and probe.loss_weights.sums is None
+
+
+TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")   # wall clock
+
+
+def trl_record(trainer):
+    "What the run itself logged (the probe's keys and wall-clock times left out) and every parameter at its end."
+    return ([{k: v for k, v in r.items() if not k.startswith(P) and k not in TIMING} for r in trainer.state.log_history],
+            {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+
+
+UNCHANGED = {"LoRA, lora_dropout 0.1": (dict(lora_dropout=0.1), {}),
+             "LoRA, lora_dropout 0.1, scored in place in float32": (dict(lora_dropout=0.1, bf16=False),
+                                                                    dict(dtype="float32")),
+             "float64 LoRA model, scored in place": (dict(lora_dropout=0.1, dtype=torch.float64, bf16=False), {}),
+             "full fine-tuning": (dict(peft=False), {})}   # TRL patches a full model's forward: a copy scores it
+
+
+@pytest.mark.parametrize("setup", list(UNCHANGED))
+def test_the_run_is_the_same_with_and_without_the_probe(setup, tiny, tmp_path):
+    "TRL's log_history and every parameter bit for bit the same with and without a probe measuring every step: no"
+    " dropout in its scores (TRL's dropout masks and sampling draw the same numbers), the live model's modes and norms"
+    " as they were."
+    run, probe_kw = UNCHANGED[setup]
+    plain = grpo_trainer(tiny, tmp_path / "plain", **run)
+    plain.train()
+    probed = grpo_trainer(tiny, tmp_path / "probed", **run)
+    probe = add_grpo_probe(probed, dict(every=1, n_prompts=2, **probe_kw))
+    probed.train()
+    (log, theta), (log_probed, theta_probed) = trl_record(plain), trl_record(probed)
+    assert [h["step"] for h in probe.history] == [1, 2, 3] and (probe.sp.model is probed.model) == ("place" in setup)
+    assert log_probed == log, [(a, b) for a, b in zip(log, log_probed) if a != b][:1]
+    assert all(torch.equal(theta_probed[n], t) for n, t in theta.items())
+
+
+def test_the_hooks_come_off_when_training_raises(tiny, tmp_path):
+    "A reward function that fails at the second step: after the error `generate` and TRL's loss pass are TRL's own."
+    calls = []
+
+    def failing(completions, **kw):
+        calls.append(1)
+        if len(calls) == 2: raise RuntimeError("reward server down")
+        return reward(completions)
+
+    trainer = grpo_trainer(tiny, tmp_path, rewards=failing)
+    probe = add_grpo_probe(trainer, dict(every=1, n_prompts=2))
+    with pytest.raises(RuntimeError, match="reward server down"): trainer.train()
+    assert probe.entropy_hook is not None and probe.loss_weights is not None          # they were installed
+    assert "generate" not in vars(trainer.model) and "_get_per_token_logps_and_entropies" not in vars(trainer)
+
+
+def stop_at_common_token(policy):
+    "A copy of `policy` whose tokenizer's EOS is the token it samples most (the generation config keeps the old one):"
+    " TRL stops at either, a sampler reading the generation config at the old one only."
+    model, tok = copy.deepcopy(policy)
+    ids = tok(PROMPTS[0], add_special_tokens=False, return_tensors="pt")["input_ids"]
+    torch.manual_seed(0)
+    out = model.generate(ids.repeat(16, 1), attention_mask=torch.ones_like(ids.repeat(16, 1)), do_sample=True,
+                         max_new_tokens=8, top_p=0.9, top_k=0, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    common = int(out.flatten().mode().values)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    tok.eos_token = tok.convert_ids_to_tokens(common)
+    return model, tok
+
+
+def test_E_stops_where_trls_completions_stop(tiny, tmp_path):
+    "The tokenizer's EOS is not the generation config's: every completion of E ends at its first token among TRL's"
+    " eos_token_ids (and at the tokenizer's EOS in at least one), as TRL's own completions do."
+    trainer = grpo_trainer(stop_at_common_token(tiny), tmp_path, max_steps=1)
+    eos = trainer.eos_token_ids
+    probe = add_grpo_probe(trainer, dict(every=1, n_prompts=4, num_generations=8))
+    rec = Stepped(probe)
+    trainer.add_callback(rec)
+    trainer.train()
+    E, ends = rec.steps[0]["E"], []
+    for b, P0 in enumerate(E.prompt_lens):
+        comp = E.sequences[b, :, P0:]                                              # [G, L]
+        stop = torch.isin(comp, torch.tensor(eos))
+        want = torch.where(stop.any(1), stop.float().argmax(1) + 1, comp.shape[1])  # length, the stop token counted
+        assert torch.equal(E.gen_lens[b], want), (b, E.gen_lens[b], want)
+        ends += [int(comp[g, n - 1]) for g, n in enumerate(want) if stop[g].any()]
+    assert trainer.processing_class.eos_token_id in ends and eos[0] != trainer.model.generation_config.eos_token_id
+
+
+
+CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+
+
+def chat_policy(policy):
+    "A copy of `policy` whose tokenizer has a chat template (role: content lines, then 'assistant:')."
+    model, tok = copy.deepcopy(policy)
+    tok.chat_template = CHAT
+    return model, tok
+
+
+def own_prompt_ids(trainer, prompts):
+    "The prompts tokenized without TRL: the chat template for conversations, the tokenizer for text."
+    tok = trainer.processing_class
+    if isinstance(prompts[0], str): return [tok(p)["input_ids"] for p in prompts]
+    return [list(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+            for p in prompts]
+
+
+def fresh_entropy(trainer, theta, prompt_ids, G=64, seed=0):
+    "Mean per-sequence entropy and its se over G fresh completions per prompt from transformers' own `generate` (a"
+    " float64 eval copy at θ, TRL's generation config): Σ_t H(softmax(score_t)) of the warped scores each token was"
+    " drawn from, up to and including the first of TRL's stop tokens."
+    model, S = float64_copy(trainer), []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in theta: p.copy_(theta[name])
+    torch.manual_seed(seed)
+    for ids in prompt_ids:
+        x = torch.tensor([ids] * G)
+        with torch.no_grad():
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), output_scores=True,
+                                 return_dict_in_generate=True, generation_config=copy.deepcopy(trainer.generation_config))
+        H = torch.stack([torch.special.entr(s.double().softmax(-1)).sum(-1) for s in out.scores], 1)   # [G, L]
+        stop = torch.isin(out.sequences[:, x.shape[1]:], torch.tensor(trainer.eos_token_ids))
+        S.append((H * ((stop.cumsum(1) - stop.long()) == 0)).sum(1))                # through the first stop token
+    return mean_se(torch.cat(S), B=len(prompt_ids))
+
+
+CONVERSATIONS = [[{"role": "user", "content": p}] for p in PROMPTS]
+FRESH = {"LoRA, lora_dropout 0.1": dict(lora_dropout=0.1),
+         "full fine-tuning": dict(peft=False),
+         "gradient accumulation 2": dict(gradient_accumulation_steps=2, per_device_train_batch_size=2),
+         "steps_per_generation 2": dict(steps_per_generation=2),
+         "loss dr_grpo": dict(loss_type="dr_grpo"), "loss dapo": dict(loss_type="dapo"),
+         "loss grpo": dict(loss_type="grpo"),
+         "conversational prompts": dict(prompts=CONVERSATIONS)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", list(FRESH))
+def test_h_orig_and_h_upd_are_the_entropy_of_fresh_completions_in_each_setup(setup, tiny, tmp_path):
+    "Three steps at lr 3e-2: at each, H_orig (H_upd) is within 4 se of the mean entropy of 128 fresh completions"
+    " that transformers' generate draws at θ (θ⁺) from prompts tokenized without TRL, and E's prompts are those."
+    kw = FRESH[setup]
+    policy = chat_policy(tiny) if "prompts" in kw else tiny
+    trainer = grpo_trainer(policy, tmp_path, learning_rate=3e-2, **kw)
+    probe = add_grpo_probe(trainer, dict(every=1, n_prompts=2, num_generations=16))
+    rec = Stepped(probe)
+    trainer.add_callback(rec)
+    trainer.train()
+    ids = own_prompt_ids(trainer, list(kw.get("prompts", PROMPTS))[:2])
+    assert probe.prompt_ids == ids and [h["step"] for h in probe.history] == [1, 2, 3]
+    rows = []
+    for h, s in zip(probe.history, rec.steps):
+        se_E = mean_se(at_theta(trainer, s["theta"])[1].score(s["E"])["S"], B=2)[1]
+        fresh, se = fresh_entropy(trainer, s["theta"], ids, seed=s["step"])
+        fresh_upd, se_upd = fresh_entropy(trainer, s["theta_plus"], ids, seed=100 + s["step"])
+        rows.append(dict(step=h["step"], z=(h["H_orig"] - fresh) / math.hypot(se_E, se),
+                         z_upd=(h["H_upd"] - fresh_upd) / math.hypot(se_E + h["deltaH_true_se"], se_upd)))
+    assert all(abs(r["z"]) <= 4 and abs(r["z_upd"]) <= 4 for r in rows), rows
