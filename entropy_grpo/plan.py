@@ -21,12 +21,13 @@ from .probe_state import probe_checkpointing
 from .projection_arms import ARM_ADAPTER
 from .sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor
 from .training import TrainConfig, build_optimizer
+from .memory import act_token_layer, activation_bytes, head_bytes
 from .utils import check_choice, markdown_table
 
 # %% auto #0
-__all__ = ['QWEN3_4B', 'KNOWN_CONFIGS', 'TARGETS', 'BYTES', 'model_config', 'meta_model', 'model_shape', 'RunShape',
-           'plan_phases', 'template_presets', 'run_shape', 'plan', 'this_device', 'plan_hours', 'plan_report',
-           'hours_report', 'add_plan_parser', 'PeakRSS', 'measure_cpu_peak']
+__all__ = ['QWEN3_4B', 'KNOWN_CONFIGS', 'BYTES', 'model_config', 'meta_model', 'RunShape', 'plan_phases', 'template_presets',
+           'run_shape', 'plan', 'this_device', 'plan_hours', 'plan_report', 'hours_report', 'add_plan_parser',
+           'PeakRSS', 'measure_cpu_peak']
 
 # %% ../nbs/07b_plan.ipynb #8ca8f271
 QWEN3_4B = dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -34,7 +35,6 @@ QWEN3_4B = dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, nu
                 tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
                 hidden_act="silu", architectures=["Qwen3ForCausalLM"])   # Qwen/Qwen3-4B's config.json, its shapes
 KNOWN_CONFIGS = {"Qwen/Qwen3-4B": QWEN3_4B, "qwen3-4b": QWEN3_4B}
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")   # the templates' adapter targets
 
 def model_config(model="default"):
     "A transformers config: a dict, a config.json path, a directory, 'default' (SmolLM2), 'tiny', or a known name."
@@ -54,17 +54,7 @@ def meta_model(model="default", dtype=torch.bfloat16):
     with torch.device("meta"): return AutoModelForCausalLM.from_config(cfg).to(dtype)
 
 # %% ../nbs/07b_plan.ipynb #dfb5a5ff
-def model_shape(m, lora_r:int=16) -> dict:
-    "Counts the plan needs from a (meta) model: parameters (tied counted once), sizes, adapter dimensions."
-    c = m.config
-    io = [(x.in_features, x.out_features) for n, x in m.named_modules()
-          if isinstance(x, torch.nn.Linear) and n.rsplit(".", 1)[-1] in TARGETS]
-    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return dict(params=sum(p.numel() for p in m.parameters()), layers=c.num_hidden_layers, d=c.hidden_size,
-                I=c.intermediate_size, d_q=c.num_attention_heads * hd, d_kv=c.num_key_value_heads * hd,
-                vocab=c.vocab_size, targets=len(io),
-                svd_elements=sum(o * min(i, o) + min(i, o) + min(i, o) * i for i, o in io),   # U, S, Vh per module
-                delta_s=sum(min(i, o) for i, o in io), lora=sum(lora_r * (i + o) for i, o in io))
+from .memory import TARGETS, model_shape  # noqa: F401 (re-exported: part of the plan's API)
 
 # %% ../nbs/07b_plan.ipynb #c2f00e5f
 BYTES = dict(float32=4, bfloat16=2, float16=2, float64=8)
@@ -92,11 +82,6 @@ class RunShape:
     n_pairs:int=64                    # (hack, clean) pairs behind v_hack
     gpu_gb:float=80                   # the GPU's memory, GB (1e9 bytes)
 
-def _act_token_layer(s:dict, w:int) -> int:
-    """Bytes one token keeps per layer for backward: 2 RMSNorms (input, float32 copies, output), q/k/v before and after
-    rotary with the attention output, SwiGLU's four [I] tensors. Fused attention keeps no [T, T] matrix."""
-    return 2 * (2 * w + 8) * s["d"] + 3 * w * (s["d_q"] + s["d_kv"]) + 4 * w * s["I"]
-
 # %% ../nbs/07b_plan.ipynb #17371472
 def _adapter(s:dict, adapter:str, w:int) -> tuple[int, int, int]:
     "(trainable parameters, adapter bytes beside the weights, bytes per trainable parameter for grad + AdamW)."
@@ -105,15 +90,6 @@ def _adapter(s:dict, adapter:str, w:int) -> tuple[int, int, int]:
     return s["params"], 0, 3 * w                                                # full: grad, m, v in the dtype
 
 # %% ../nbs/07b_plan.ipynb #a123e67b
-def _head(s:dict, run:RunShape, n:int, b:int) -> int:
-    "Bytes of the LM head's pass over n completion positions in a b-byte dtype: their hiddens + one chunk's logits."
-    return n * s["d"] * b + 4 * b * min(run.head_chunk_size, n) * s["vocab"]
-
-def _activations(s:dict, tokens:int, b:int, ckpt:bool) -> int:
-    "Bytes a backward keeps for `tokens` tokens (b bytes each): all layers' sets, or (checkpointed) inputs + one set."
-    a = _act_token_layer(s, b)
-    return tokens * (s["layers"] * s["d"] * b + a) if ckpt else tokens * s["layers"] * a
-
 def _attn_flops(s:dict, n:int, ctx:int) -> int:
     "QKᵀ and AV of n sequences over ctx positions."
     return 2 * s["layers"] * s["d_q"] * n * ctx * ctx
@@ -125,8 +101,8 @@ def _probe_phase(s:dict, run:RunShape, ckpt:bool) -> tuple:
     trainable, extra, _ = _adapter(s, ad, BYTES[run.dtype])
     parts = dict(float64_copy=P * 8 + (s["svd_elements"] * 8 if ad == "delta_s" else 0),
                  state=trainable * (8 + 8 + 16) * 2,            # param, grad, m, v in float64; and their snapshot
-                 activations=_activations(s, run.probe_microbatch * ctx, 8, ckpt),
-                 head=_head(s, run, run.probe_microbatch * run.max_new_tokens, 8))
+                 activations=activation_bytes(s, run.probe_microbatch * ctx, 8, ckpt),
+                 head=head_bytes(s, run.probe_microbatch * run.max_new_tokens, 8, run.head_chunk_size))
     flops = 2 * P * 3 * run.probe_E * ctx + (8 + 2 * ckpt) * P * run.probe_U * ctx + \
         4 * _attn_flops(s, run.probe_E, ctx)
     return ("entropy probe", parts, extra, flops, f"float64 copy, {ad}; |E| = {run.probe_E}, U = {run.probe_U}, "
@@ -139,15 +115,15 @@ def plan_phases(s:dict, run:RunShape) -> list[dict]:
     ctx, n_seq, W = run.prompt_len + run.max_new_tokens, run.prompts_per_step * run.G, s["params"] * BYTES[run.dtype]
     trainable, extra, per_param = _adapter(s, run.adapter, w)
     per_call = min(max(1, run.gen_batch_size // run.G) * run.G, n_seq)
-    gen = dict(kv=per_call * ctx * 2 * L * s["d_kv"] * w, prefill=per_call * run.prompt_len * _act_token_layer(s, w),
+    gen = dict(kv=per_call * ctx * 2 * L * s["d_kv"] * w, prefill=per_call * run.prompt_len * act_token_layer(s, w),
                logits=3 * 4 * per_call * s["vocab"])
     ckpt = wants_checkpointing(P, run.gradient_checkpointing)
     mb_seq = (run.prompts_per_microbatch or max(1, run.tf_batch_size // run.G)) * run.G     # sequences per backward
-    trn = dict(state=trainable * per_param, activations=_activations(s, mb_seq * ctx, w, ckpt),
-               head=_head(s, run, mb_seq * run.max_new_tokens, 4),
+    trn = dict(state=trainable * per_param, activations=activation_bytes(s, mb_seq * ctx, w, ckpt),
+               head=head_bytes(s, mb_seq * run.max_new_tokens, 4, run.head_chunk_size),
                reference=W if run.beta > 0 and run.adapter == "none" else 0)
-    vh = dict(activations=2 * 2 * ctx * L * _act_token_layer(s, w), gradients=2 * 2 * trainable * 4,  # 2 outputs
-              head=_head(s, run, 2 * run.max_new_tokens, 4))
+    vh = dict(activations=2 * 2 * ctx * L * act_token_layer(s, w), gradients=2 * 2 * trainable * 4,  # 2 outputs
+              head=head_bytes(s, 2 * run.max_new_tokens, 4, run.head_chunk_size))
     T, T_v = n_seq * ctx, 2 * run.n_pairs * ctx
     rows = [("generation", gen, extra, 2 * P * T + _attn_flops(s, n_seq, ctx),
              f"{math.ceil(n_seq / per_call)} generate call(s) of {per_call} sequences"),
@@ -230,7 +206,7 @@ def plan_report(p:dict) -> str:
     lines = [f"{p['model']}: {s['params'] / 1e9:.2f} B parameters, {s['layers']} layers, hidden {s['d']}, vocab "
              f"{s['vocab']:,}; in {run['dtype']}: weights {s['params'] * w / 1e9:.2f} GB, KV "
              f"{2 * s['layers'] * s['d_kv'] * w / 1e3:.1f} KB per token, activations "
-             f"{_act_token_layer(s, w) / 1e3:.1f} KB per token and layer, float64 copy {s['params'] * 8 / 1e9:.1f} GB",
+             f"{act_token_layer(s, w) / 1e3:.1f} KB per token and layer, float64 copy {s['params'] * 8 / 1e9:.1f} GB",
              f"run: {run['prompts_per_step']} prompts × G {run['G']}, {run['prompt_len']} + {run['max_new_tokens']} "
              f"tokens, adapter {run['adapter']}" + (f" r {run['lora_r']}" if run["adapter"] == "lora" else "") +
              f", beta {run['beta']:g}", ""]

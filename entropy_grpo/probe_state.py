@@ -17,7 +17,7 @@ from .utils import base_optimizer, kept_modes
 
 # %% auto #0
 __all__ = ['ULP_CHUNK', 'TrainingState', 'probe_dtype', 'plain_forward', 'cast_copy', 'probe_checkpointing', 'scoring_mode',
-           'probe_copy']
+           'scores_in_place', 'probe_copy']
 
 # %% ../nbs/02a_probe_state.ipynb #27ae576c
 class TrainingState:
@@ -103,6 +103,11 @@ def scoring_mode(model:torch.nn.Module):
             for m, k, v in rates: setattr(m, k, v)
 
 # %% ../nbs/02a_probe_state.ipynb #8dc423a6
+def scores_in_place(model, dtype:torch.dtype) -> bool:
+    "Whether `probe_copy` scores `model` itself: already in `dtype`, with its class's own forward (no wrapper set on it)."
+    return "forward" not in vars(model) and all(p.dtype == dtype for p in model.parameters() if p.is_floating_point())
+
+# %% ../nbs/02a_probe_state.ipynb #220c25cc
 def probe_copy(
     sp:SequenceProcessor,             # scores the run's model
     optimizer:torch.optim.Optimizer|None,  # steps its parameters (or a wrapper holding it); None: no optimizer copy
@@ -110,8 +115,7 @@ def probe_copy(
     checkpointing:bool|str|None="auto",  # the copy's gradient checkpointing; "auto": `probe_checkpointing`'s
 )->tuple[SequenceProcessor, torch.optim.Optimizer|None]:  # the same pair (norms made float64) when already in `dtype`
     "A copy of the model in `dtype` with its own SequenceProcessor and an optimizer of the same kind, state cast."
-    if "forward" not in vars(sp.model) and all(p.dtype == dtype for p in sp.model.parameters()
-                                                          if p.is_floating_point()):
+    if scores_in_place(sp.model, dtype):
         if dtype == torch.float64: full_precision_norms(sp.model)
         return sp, optimizer
     model = plain_forward(cast_copy(sp.model, dtype))

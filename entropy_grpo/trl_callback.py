@@ -24,7 +24,8 @@ from .projection_arms import COS_KEYS, GATES, VHack, arm_step
 from .rb_entropy import _scaled, token_stats
 from .sequence_processor import (BatchedSequences, GenerationConfig, SequenceProcessor, _final_logits,
                                              completion_mask)
-from .utils import check_choice, check_range
+from .trl_setup import check_parallelism, check_probe_memory, probe_memory
+from .utils import base_optimizer, check_choice, check_range
 
 # %% auto #0
 __all__ = ['MIRRORED', 'NEUTRAL', 'LOGGED', 'TRAINER_EVENTS', 'ProbeConfig', 'sampling_config', 'trl_eos_ids', 'GenerateEntropy',
@@ -93,6 +94,7 @@ def sampling_config(
                             max_new_tokens=int(get("max_new_tokens", trainer.max_completion_length)),
                             num_generations=int(num_generations or trainer.num_generations), seed=0)
 
+# %% ../nbs/08_trl_callback.ipynb #e609fa15
 def trl_eos_ids(trainer) -> list[int]:
     "The tokens that end a completion in a GRPOTrainer run: the tokenizer's EOS, then the model's generation"
     " config's (TRL's `eos_token_ids`; built the same way on a TRL that has no such attribute)."
@@ -191,25 +193,10 @@ def pop(self:LossWeights) -> Tensor|None:
     return s
 
 # %% ../nbs/08_trl_callback.ipynb #9fdc2da7
-_SHARDED = (("tp", "tensor"), ("cp", "context"), ("sp", "sequence"))   # Trainer.get_<x>_size, what it splits
-
-def _check_parallelism(trainer):
-    "ValueError, in one line, for the setups the probe cannot measure: DeepSpeed, FSDP, tensor/context/sequence split."
-    for flag, name, why in (("is_deepspeed_enabled", "DeepSpeed", "its optimizer steps inside backward, so the "
-                             "callback would see θ⁺ and zeroed gradients"),
-                            ("is_fsdp_enabled", "FSDP", "its parameters are sharded, and the scoring copy and Δθ "
-                             "need whole tensors")):
-        if getattr(trainer, flag, False): raise ValueError(f"GRPOProbe does not support {name}: {why}; run it "
-                                                           "with DDP or one process")
-    for x, what in _SHARDED:
-        size = getattr(trainer, f"get_{x}_size", lambda: 1)()
-        if size > 1: raise ValueError(f"GRPOProbe does not support {what} parallelism ({x}_size={size}): the scoring "
-                                      "copy, E and Δθ need whole tensors and whole sequences; run it with DDP or one "
-                                      "process")
-
-# %% ../nbs/08_trl_callback.ipynb #6ccac749
 class GRPOProbe:
     "ΔH_true, ΔH₁, v_hack alignment (and projection) and the sampled distribution's entropy inside a GRPOTrainer run."
+    " Every score is of the dropout-free policy π_θ; TRL samples in train mode, so with `lora_dropout` > 0 its"
+    " completions and `entropy_rb` come from the policy under dropout."
     def __init__(
         self,
         trainer,                        # the trl.GRPOTrainer this callback measures
@@ -219,7 +206,7 @@ class GRPOProbe:
         prompts:list|None=None,         # E's prompts as the train set has them; None: the first n_prompts rows
     ):
         self.config = c = config if isinstance(config, ProbeConfig) else ProbeConfig(**(config or {}))
-        _check_parallelism(trainer)
+        check_parallelism(trainer)
         if c.project and v_hack is None: raise ValueError("project=True needs a v_hack (and its adapter)")
         if v_hack is not None:
             if adapter is None: raise ValueError("a v_hack needs the adapter it was extracted in")
@@ -227,6 +214,7 @@ class GRPOProbe:
         self.trainer, self.v_hack, self.adapter, self.prompts, self.E = trainer, v_hack, adapter, prompts, None
         self.generation, self.eos = sampling_config(trainer, c.num_generations), trl_eos_ids(trainer)
         self.history, self.entropy_hook, self.loss_weights, self._pending, self._rb = [], None, None, None, {}
+        self.memory = None                # bytes the probe adds, per term (`probe_memory`), once training starts
         self._remove_on_exit()
 
     def _log(self, values:dict, mode:str="train"):
@@ -263,6 +251,7 @@ def on_train_begin(self:GRPOProbe, args, state, control, model=None, **kw):
     if c.every:                                 # the prompts and the scoring copy only when ΔH is measured at all
         prompts = self.prompts if self.prompts is not None else tr.train_dataset[:c.n_prompts]["prompt"]
         self.prompt_ids = [list(x) for x in tr._tokenize_prompts(list(prompts)[:c.n_prompts])[0]]
+        self._check_memory(model)
         self.sp, _ = probe_copy(SequenceProcessor(model, tok, self.generation, progress=False, eos_token_id=self.eos),
                                 None, probe_dtype(c.dtype))
         if self.sp.model is model: own_norms(model)           # in place: float64 norms only while scoring
@@ -275,9 +264,20 @@ def on_train_begin(self:GRPOProbe, args, state, control, model=None, **kw):
         self.entropy_hook = GenerateEntropy(model, self.generation, self.eos, self._on_generation).install()
     if c.covariance: self.loss_weights = LossWeights(tr).install()
 
+# %% ../nbs/08_trl_callback.ipynb #300c9bd5
+@patch
+def _check_memory(self:GRPOProbe, model):
+    "What the probe will add (`probe_memory`, kept as `memory`), refused when it would not fit beside the run."
+    g, ids = self.generation, self.prompt_ids
+    per_pass = min(len(ids), max(1, g.tf_batch_size // g.num_generations)) * g.num_generations
+    self.memory = probe_memory(model, probe_dtype(self.config.dtype), per_pass, max(map(len, ids)) + g.max_new_tokens,
+                               g.max_new_tokens, g.head_chunk_size)
+    if self.memory is not None: check_probe_memory(self.memory, model, base_optimizer(self.trainer.optimizer))
+
 @patch
 def on_train_end(self:GRPOProbe, args, state, control, **kw): self._remove_hooks()
 
+# %% ../nbs/08_trl_callback.ipynb #d5823aab
 @patch
 def _remove_hooks(self:GRPOProbe):
     "The trainer's `generate` and loss pass unwrapped (each removal a no-op when not installed)."

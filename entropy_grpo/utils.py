@@ -175,6 +175,7 @@ def quiet_checkpointing_name():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         yield
 
+# %% ../nbs/00c_utils.ipynb #a96bb737
 @contextmanager
 def kept_modes(model:torch.nn.Module):
     "Every module's train/eval flag restored on leaving, as it was on entering (`model.train(was)` would set one flag"

@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "entropy_grpo"
-LAYERS = [("utils", "dist", "kept_sets", "report_to"), ("policies", "tasks", "rb_entropy", "linears", "checkpoints",
+LAYERS = [("utils", "dist", "kept_sets", "report_to", "memory"), ("policies", "tasks", "rb_entropy", "linears", "checkpoints",
            "predictors", "gate", "template_params", "snis"),
           ("sequences", "adapters", "hackbed"), ("sequence_processor",), ("dr_grpo", "probe_state", "pairs"), ("train_config",),
           ("training", "delta_entropy_is", "projection_arms"), ("updates", "carry"),
-          ("probes", "pools", "on_policy"),
+          ("probes", "pools", "on_policy", "trl_setup"),
           ("contributions", "decision", "trl_callback", "teachers", "scorecard"),
           ("phase2", "reports"), ("phase2_run", "phase3_run"), ("calibration", "plan"), ("experiments", "truth"),
           ("bed_record",), ("cli",)]

@@ -582,3 +582,107 @@ def test_h_orig_and_h_upd_are_the_entropy_of_fresh_completions_in_each_setup(set
         rows.append(dict(step=h["step"], z=(h["H_orig"] - fresh) / math.hypot(se_E, se),
                          z_upd=(h["H_upd"] - fresh_upd) / math.hypot(se_E + h["deltaH_true_se"], se_upd)))
     assert all(abs(r["z"]) <= 4 and abs(r["z_upd"]) <= 4 for r in rows), rows
+
+
+def test_a_run_the_probe_would_push_out_of_memory_is_refused_before_it_starts(tiny, tmp_path, monkeypatch):
+    "With less room than the probe's additions the run stops at on_train_begin with every term named, nothing copied,"
+    " no step taken and the hooks off; with the room it needs, it runs."
+    from entropy_grpo import trl_setup
+    trainer = grpo_trainer(tiny, tmp_path)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    probe = add_grpo_probe(trainer, dict(every=1, n_prompts=2))
+    monkeypatch.setattr(trl_setup, "free_bytes", lambda device: 10**6)
+    test_fail(trainer.train, contains="GRPOProbe would add")
+    assert not hasattr(probe, "sp") and trainer.state.global_step == 0 and "generate" not in vars(trainer.model)
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    need = probe.memory["total"] + sum(p.numel() * 4 * 3 for p in trainer.model.parameters() if p.requires_grad)
+    monkeypatch.setattr(trl_setup, "free_bytes", lambda device: need)           # gradients and AdamW state beside it
+    trainer = grpo_trainer(tiny, tmp_path, max_steps=1)
+    probe = add_grpo_probe(trainer, dict(every=1, n_prompts=2))
+    trainer.train()
+    assert len(probe.history) == 1
+
+
+@pytest.mark.parametrize("peft", [True, False], ids=["LoRA", "full fine-tuning"])
+def test_the_predicted_copy_and_step_vectors_are_what_the_probe_holds(peft, tiny, tmp_path):
+    "probe.memory's copy term is the bytes of the scoring copy's parameters and buffers, its step term three float64"
+    " vectors of the trainable parameters: θ, ∇H and Δθ as the probe keeps them."
+    trainer = grpo_trainer(tiny, tmp_path, peft=peft, max_steps=1)
+    probe = add_grpo_probe(trainer, dict(every=1, n_prompts=2))
+    held = []
+    step_end = probe.on_step_end
+
+    def spy(*a, **kw):
+        held.append(sum(t.numel() * t.element_size() for t in (*probe._pending["theta"].values(),
+                                                               *probe._pending["grad_H"])))
+        return step_end(*a, **kw)
+
+    probe.on_step_end = spy
+    trainer.train()
+    m = probe.sp.model
+    assert probe.memory["copy"] == sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
+    assert probe.memory["step"] == held[0] * 3 // 2                          # Δθ, the third, is θ's size
+    assert probe.memory["activations"] > 0 and probe.memory["total"] == sum(
+        v for k, v in probe.memory.items() if k != "total")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("peft", [True, False], ids=["LoRA", "full fine-tuning"])
+def test_on_a_gpu_the_probes_added_peak_is_within_the_prediction(peft, tiny, tmp_path):
+    "The CUDA peak of a run with the probe less the same run's without it lies between the copy term and the total."
+    peaks = []
+    for with_probe in (False, True):
+        trainer = grpo_trainer(tiny, tmp_path / str(with_probe), peft=peft, max_steps=2, use_cpu=False)
+        probe = add_grpo_probe(trainer, dict(every=1, n_prompts=2)) if with_probe else None
+        torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+        peaks.append(torch.cuda.max_memory_allocated())
+    added = peaks[1] - peaks[0]
+    assert probe.memory["copy"] <= added <= probe.memory["total"], (added, probe.memory)
+
+
+def _two_process_run(rank, world, port, out_dir):
+    "One of two CPU processes of a TRL run under accelerate (gloo, as torchrun sets it up) with the probe every step:"
+    " its E, θ and θ⁺ per step and the probe's history, saved per rank."
+    import os, sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from entropy_grpo.policies import tiny_policy
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    trainer = grpo_trainer(tiny_policy(0), out_dir, max_steps=2, learning_rate=3e-2, lora_dropout=0.1)
+    probe = add_grpo_probe(trainer, dict(every=1, n_prompts=2))
+    rec = Stepped(probe)
+    trainer.add_callback(rec)
+    trainer.train()
+    torch.save(dict(steps=rec.steps, history=probe.history, world=trainer.accelerator.num_processes),
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def union(a:BatchedSequences, b:BatchedSequences) -> BatchedSequences:
+    "Two ranks' E as one batch: the shorter right-padded (pad token, attention 0) to the longer's width."
+    T = max(a.shape[2], b.shape[2])
+    pad = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[2]), value=v)
+    return BatchedSequences(torch.cat([pad(a.sequences, 1), pad(b.sequences, 1)]),
+                            torch.cat([pad(a.attention_masks, 0), pad(b.attention_masks, 0)]),
+                            list(a.prompt_lens) + list(b.prompt_lens), torch.cat([a.gen_lens, b.gen_lens]))
+
+
+@pytest.mark.slow
+def test_two_processes_measure_the_change_of_both_ranks_e_together(tiny, tmp_path):
+    "A TRL run in two gloo processes (LoRA, lora_dropout 0.1): both ranks log the same ΔH_true and H_orig, and they are"
+    " DeltaEntropyIS's in one process on the union of the two ranks' E between the θ and θ⁺ the run took (float64)."
+    from gloo import spawn_two
+    spawn_two(_two_process_run, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert ranks[0]["world"] == 2
+    for h0, h1 in zip(ranks[0]["history"], ranks[1]["history"]):
+        assert h0["deltaH_true"] == h1["deltaH_true"] and h0["H_orig"] == h1["H_orig"]
+    trainer = grpo_trainer(tiny, tmp_path / "ref", lora_dropout=0.1)
+    steps = [dict(s0, E=union(s0["E"], s1["E"])) for s0, s1 in zip(ranks[0]["steps"], ranks[1]["steps"])]
+    for s0, s1 in zip(ranks[0]["steps"], ranks[1]["steps"]):
+        assert all(torch.equal(s0["theta_plus"][n], s1["theta_plus"][n]) for n in s0["theta_plus"])   # DDP in sync
+        assert not torch.equal(s0["E"].sequences, s1["E"].sequences)                                    # own E each
+    for r, h in zip(reference(trainer, steps), ranks[0]["history"]):
+        assert abs(h["deltaH_true"] - r["deltaH_true"]) <= 1e-9 * max(1.0, abs(r["deltaH_true"])), (r, h)
