@@ -1,0 +1,129 @@
+"""The package's Dr.GRPO training step (`training.train`) beside TRL's `GRPOTrainer` step, in one process, by phase.
+
+The same weights (the embedded SmolLM2-135M-Instruct, float32, CPU), the same task's prompts (`Task.trl_dataset` for
+TRL), G, max new tokens, temperature 1 and top_p 0.95, LoRA r 16 (α 32) on all seven projections, loss_type dr_grpo,
+β 0, one optimizer step per batch, lr 7e-5. Each trainer runs a warm-up step then --steps steps; per step:
+
+* generation: every `generate` call (ours: the rollout's `time_generate`; TRL: its `generate` calls, timed);
+* scoring: forwards without grad over the step's completions (ours: `time_teacher_force`, the pass that logs log q
+  and the RB entropy; TRL: its no-grad log-prob passes, none at num_iterations 1 and β 0);
+* loss: the forward that carries the loss, its backward, clipping and the optimizer step (ours: `time_backward`;
+  TRL: `compute_loss`, `accelerator.backward` and what remains of its step after generation and scoring);
+* step: the whole step.
+
+Medians over the steps, the ratio ours / TRL per phase, and completion tokens per step (EOS ends a completion early,
+so the two may generate different amounts). TRL runs twice: with its own defaults (gradient checkpointing on, what a
+TRL user has) and with gradient checkpointing off (as our loop runs a model this size). Never asserts on time.
+
+    python bench/bench_step_vs_trl.py [--model default|tiny] [--threads 1] [--steps 3] [--prompts 4] [--G 4]
+                                      [--max-new-tokens 32]
+"""
+import argparse, os, platform, statistics, tempfile, time, warnings
+
+import torch
+from peft import LoraConfig
+from transformers import PrinterCallback, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from entropy_grpo.policies import load_policy, tiny_policy
+from entropy_grpo.sequence_processor import GenerationConfig
+from entropy_grpo.tasks import ArithmeticTask
+from entropy_grpo.training import TrainConfig, train
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+PHASES = ("generation", "scoring", "loss", "step")
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def policy(a):
+    return tiny_policy(0) if a.model == "tiny" else load_policy(None, device="cpu", dtype="float32")
+
+
+def ours(a, task) -> tuple[dict, float]:
+    "Per-phase medians of `train`'s own step timings, and completion tokens per step."
+    model, tok = policy(a)
+    gen = GenerationConfig(max_new_tokens=a.max_new_tokens, num_generations=a.G, temperature=1.0, top_p=0.95)
+    cfg = TrainConfig(max_steps=a.steps + 1, prompts_per_step=a.prompts, lora_r=16, lora_alpha=32.0,
+                      lora_target_modules=SEVEN, generation=gen, loss_type="dr_grpo", learning_rate=7e-5, seed=0)
+    recs = train(model, tok, task, cfg, progress=False).records[1:]
+    keys = dict(generation="time_generate", scoring="time_teacher_force", loss="time_backward", step="time_step")
+    return ({k: statistics.median(r[v] for r in recs) for k, v in keys.items()},
+            statistics.median(r["n_tokens"] for r in recs))
+
+
+class Timer(TrainerCallback):
+    "TRL's step, its generate calls and its no-grad log-prob passes (the rest of the step is the loss's): seconds."
+    def __init__(self, trainer):
+        self.steps, self.cur, self.trainer = [], None, trainer
+        self._wrap(trainer.model, "generate", "generation")
+        self._wrap(trainer, "_get_per_token_logps_and_entropies", "scoring")
+
+    def _wrap(self, owner, name, key):
+        fn = getattr(owner, name)
+        def timed(*args, **kw):
+            t = time.perf_counter()
+            try: return fn(*args, **kw)
+            finally:
+                if self.cur is not None and (key != "scoring" or not torch.is_grad_enabled()):
+                    self.cur[key] += time.perf_counter() - t
+        setattr(owner, name, timed)
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.cur, self.t0 = dict.fromkeys(PHASES, 0.0), time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.cur["step"] = time.perf_counter() - self.t0
+        self.cur["loss"] = self.cur["step"] - self.cur["generation"] - self.cur["scoring"]   # + clip, optimizer step
+        self.steps.append(self.cur); self.cur = None
+
+
+def trl(a, task, checkpointing:bool) -> tuple[dict, float]:
+    "Per-phase medians of TRL's step, and completion tokens per step."
+    model, tok = policy(a)
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=a.prompts * a.G, num_generations=a.G,
+                      max_completion_length=a.max_new_tokens, max_steps=a.steps + 1, learning_rate=7e-5,
+                      temperature=1.0, top_p=0.95, loss_type="dr_grpo", beta=0.0, use_cpu=True, bf16=False,
+                      report_to="none", logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True,
+                      gradient_checkpointing=checkpointing)
+    tr = GRPOTrainer(model=model, reward_funcs=task.trl_rewards(("reward",)), args=args, processing_class=tok,
+                     train_dataset=task.trl_dataset(tok),
+                     peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=SEVEN))
+    tr.remove_callback(PrinterCallback)
+    timer = Timer(tr)
+    tr.add_callback(timer)
+    tr.train()
+    steps = timer.steps[1:]
+    tokens = [r["completions/mean_length"] * a.prompts * a.G for r in tr.state.log_history
+              if "completions/mean_length" in r][1:]
+    return {k: statistics.median(s[k] for s in steps) for k in PHASES}, statistics.median(tokens)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", choices=("default", "tiny"))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per trainer (after one warm-up step)")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    ap.add_argument("--G", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    task = ArithmeticTask()
+    print(f"# {platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}, load "
+          f"{os.getloadavg()[0]:.2f}, model {a.model}, LoRA r 16 on the seven projections, {a.prompts} prompts × "
+          f"G {a.G}, {a.max_new_tokens} new tokens, top_p 0.95, dr_grpo, float32, median of {a.steps} steps after a "
+          "warm-up")
+    mine, mine_tok = ours(a, task)
+    (ckpt, ckpt_tok), (plain, plain_tok) = trl(a, task, True), trl(a, task, False)
+    ratio = lambda x, y: f"{x / y:.2f}×" if y > 0 else "— (TRL has none)"
+    print("| phase | ours s | TRL s (default: checkpointing) | ours / TRL | TRL s, no checkpointing | ours / TRL |")
+    print("|---|---|---|---|---|---|")
+    for k in PHASES:
+        print(f"| {k} | {mine[k]:.2f} | {ckpt[k]:.2f} | {ratio(mine[k], ckpt[k])} | {plain[k]:.2f} | "
+              f"{ratio(mine[k], plain[k])} |")
+    print(f"| completion tokens per step | {mine_tok:.0f} | {ckpt_tok:.0f} | | {plain_tok:.0f} | |")
+    print(f"# load at end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
