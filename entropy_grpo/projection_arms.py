@@ -356,8 +356,9 @@ def _weights(self:ProjectionArm) -> dict[str, Tensor]:
 def on_after_backward(self:ProjectionArm, ctx=None):
     "Measure (all arms) and project (projected arms) the adapter's gradients in place."
     if self.v_hack is None: return
-    if self._before is None: self._before, self._rows = self._weights(), self.v_hack.at().V  # at the step start
-    new, st = self._project(self.adapter.flat_grads(), self._rows)      # θ does not move within a step
+    rows = self.v_hack.at().V                                          # at this optimizer step's θ (μ > 1 moves it)
+    if self._before is None: self._before, self._rows = self._weights(), rows  # at the step start
+    new, st = self._project(self.adapter.flat_grads(), rows)
     if self.projects: self.adapter.set_flat_grads(new)
     self.last = dict(st, gate=self.gate, v_hack_source=self.v_hack.meta.get("source", "pairs"))
 

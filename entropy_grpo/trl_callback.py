@@ -328,8 +328,7 @@ def _scoring(self:GRPOProbe):
     " float64, has float64 norms for the block only: the training run computes as it would without the probe."
     m = self.sp.model
     with scoring_mode(m):
-        patched = self.sp.model is self.trainer.model and probe_dtype(self.config.dtype) == torch.float64 and \
-            full_precision_norms(m)
+        patched = m is self.trainer.model and probe_dtype(self.config.dtype) == torch.float64 and full_precision_norms(m)
         try: yield
         finally:
             if patched: own_norms(m)
