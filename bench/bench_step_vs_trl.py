@@ -1,19 +1,21 @@
 """The package's Dr.GRPO training step (`training.train`) beside TRL's `GRPOTrainer` step, in one process, by phase.
 
-The same weights (the embedded SmolLM2-135M-Instruct, float32, CPU), the same task's prompts (`Task.trl_dataset` for
-TRL), G, max new tokens, temperature 1 and top_p 0.95, LoRA r 16 (α 32) on all seven projections, loss_type dr_grpo,
-β 0, one optimizer step per batch, lr 7e-5. Each trainer runs a warm-up step then --steps steps; per step:
+The same weights (the embedded SmolLM2-135M-Instruct, float32, CPU), the same task (`Task.trl_dataset` for TRL), G,
+max new tokens, temperature 1 and top_p 0.95, LoRA r 16 (α 32) on all seven projections, loss_type dr_grpo, β 0, one
+optimizer step per batch, lr 7e-5. TRL runs first, twice: with its own defaults (gradient checkpointing on, what a TRL
+user has) and with gradient checkpointing off (as our loop runs a model this size); both draw the same prompts and,
+seeded alike, the same completions. Ours then runs on TRL's batches (`Replay`): each step generates its own
+completions for TRL's prompts (timed, then set aside) and trains on TRL's completions and rewards, so that scoring and
+loss do the same work in both. Each trainer runs a warm-up step then --steps steps; per step:
 
 * generation: every `generate` call (ours: the rollout's `time_generate`; TRL: its `generate` calls, timed);
-* scoring: forwards without grad over the step's completions (ours: `time_teacher_force`, the pass that logs log q
-  and the RB entropy; TRL: its no-grad log-prob passes, none at num_iterations 1 and β 0);
+* scoring: forwards without grad over the step's completions (ours: `time_teacher_force`, none at num_iterations 1
+  and β 0 since the loss's forward gives the logged entropies; TRL: its no-grad log-prob passes, none there either);
 * loss: the forward that carries the loss, its backward, clipping and the optimizer step (ours: `time_backward`;
   TRL: `compute_loss`, `accelerator.backward` and what remains of its step after generation and scoring);
 * step: the whole step.
 
-Medians over the steps, the ratio ours / TRL per phase, and completion tokens per step (EOS ends a completion early,
-so the two may generate different amounts). TRL runs twice: with its own defaults (gradient checkpointing on, what a
-TRL user has) and with gradient checkpointing off (as our loop runs a model this size). Never asserts on time.
+Medians over the steps, the ratio ours / TRL per phase, and completion tokens per step. Never asserts on time.
 
     python bench/bench_step_vs_trl.py [--model default|tiny] [--threads 1] [--steps 3] [--prompts 4] [--G 4]
                                       [--max-new-tokens 32]
@@ -28,7 +30,7 @@ from trl import GRPOConfig, GRPOTrainer
 from entropy_grpo.policies import load_policy, tiny_policy
 from entropy_grpo.sequence_processor import GenerationConfig
 from entropy_grpo.tasks import ArithmeticTask
-from entropy_grpo.training import TrainConfig, train
+from entropy_grpo.training import Rollout, TrainConfig, train
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 PHASES = ("generation", "scoring", "loss", "step")
@@ -39,33 +41,54 @@ def policy(a):
     return tiny_policy(0) if a.model == "tiny" else load_policy(None, device="cpu", dtype="float32")
 
 
-def ours(a, task) -> tuple[dict, float]:
-    "Per-phase medians of `train`'s own step timings, and completion tokens per step."
+class Replay:
+    "Our data source on TRL's recorded steps: our own generate on TRL's prompts (timed; its completions set aside),"
+    " then TRL's completions and rewards as the rollout."
+    def __init__(self, batches, G): self.batches, self.G = batches, G
+
+    def __call__(self, step, sp, config, seed) -> Rollout:
+        ids, attn, out, rewards = self.batches[step]      # [B·G, P], [B·G, P], [B·G, P + L], [B·G]
+        prompts = [row[m.bool()].tolist() for row, m in zip(ids[::self.G], attn[::self.G])]
+        t = time.perf_counter()
+        sp.generate_batched(prompts, seed=seed)
+        t_gen = time.perf_counter() - t
+        seqs = sp._assemble(*sp._left_pad(prompts), [out[:, ids.shape[1]:]], self.G)
+        r = rewards.view(len(prompts), self.G)
+        return Rollout(seqs, prompts, [[{"reward": float(x)} for x in row] for row in r], r, t_gen)
+
+
+def ours(a, batches) -> tuple[dict, float]:
+    "Per-phase medians of `train`'s own step timings on TRL's batches, and completion tokens per step."
     model, tok = policy(a)
     gen = GenerationConfig(max_new_tokens=a.max_new_tokens, num_generations=a.G, temperature=1.0, top_p=0.95)
     cfg = TrainConfig(max_steps=a.steps + 1, prompts_per_step=a.prompts, lora_r=16, lora_alpha=32.0,
                       lora_target_modules=SEVEN, generation=gen, loss_type="dr_grpo", learning_rate=7e-5, seed=0)
-    recs = train(model, tok, task, cfg, progress=False).records[1:]
+    recs = train(model, tok, None, cfg, source=Replay(batches, a.G), progress=False).records[1:]
     keys = dict(generation="time_generate", scoring="time_teacher_force", loss="time_backward", step="time_step")
     return ({k: statistics.median(r[v] for r in recs) for k, v in keys.items()},
             statistics.median(r["n_tokens"] for r in recs))
 
 
 class Timer(TrainerCallback):
-    "TRL's step, its generate calls and its no-grad log-prob passes (the rest of the step is the loss's): seconds."
+    "TRL's step, its generate calls and its no-grad log-prob passes (the rest of the step is the loss's): seconds;"
+    " and each step's batch: prompt ids, attention mask, generate's output and the rewards."
     def __init__(self, trainer):
-        self.steps, self.cur, self.trainer = [], None, trainer
+        self.steps, self.cur, self.trainer, self.batches = [], None, trainer, []
         self._wrap(trainer.model, "generate", "generation")
         self._wrap(trainer, "_get_per_token_logps_and_entropies", "scoring")
+        self._wrap(trainer, "_calculate_rewards", None)
 
     def _wrap(self, owner, name, key):
         fn = getattr(owner, name)
         def timed(*args, **kw):
             t = time.perf_counter()
-            try: return fn(*args, **kw)
-            finally:
-                if self.cur is not None and (key != "scoring" or not torch.is_grad_enabled()):
-                    self.cur[key] += time.perf_counter() - t
+            out = fn(*args, **kw)
+            if key is None: self.batches[-1].append(out.sum(1).cpu())      # [B·G, reward functions] -> [B·G]
+            elif key == "generation":
+                self.batches.append([kw["input_ids"].cpu(), kw["attention_mask"].cpu(), out.cpu()])
+            if self.cur is not None and key is not None and (key != "scoring" or not torch.is_grad_enabled()):
+                self.cur[key] += time.perf_counter() - t
+            return out
         setattr(owner, name, timed)
 
     def on_step_begin(self, args, state, control, **kw):
@@ -77,8 +100,8 @@ class Timer(TrainerCallback):
         self.steps.append(self.cur); self.cur = None
 
 
-def trl(a, task, checkpointing:bool) -> tuple[dict, float]:
-    "Per-phase medians of TRL's step, and completion tokens per step."
+def trl(a, task, checkpointing:bool) -> tuple[dict, float, list]:
+    "Per-phase medians of TRL's step, completion tokens per step, and its steps' batches."
     model, tok = policy(a)
     args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=a.prompts * a.G, num_generations=a.G,
                       max_completion_length=a.max_new_tokens, max_steps=a.steps + 1, learning_rate=7e-5,
@@ -95,7 +118,7 @@ def trl(a, task, checkpointing:bool) -> tuple[dict, float]:
     steps = timer.steps[1:]
     tokens = [r["completions/mean_length"] * a.prompts * a.G for r in tr.state.log_history
               if "completions/mean_length" in r][1:]
-    return {k: statistics.median(s[k] for s in steps) for k in PHASES}, statistics.median(tokens)
+    return {k: statistics.median(s[k] for s in steps) for k in PHASES}, statistics.median(tokens), timer.batches
 
 
 def main():
@@ -113,8 +136,9 @@ def main():
           f"{os.getloadavg()[0]:.2f}, model {a.model}, LoRA r 16 on the seven projections, {a.prompts} prompts × "
           f"G {a.G}, {a.max_new_tokens} new tokens, top_p 0.95, dr_grpo, float32, median of {a.steps} steps after a "
           "warm-up")
-    mine, mine_tok = ours(a, task)
-    (ckpt, ckpt_tok), (plain, plain_tok) = trl(a, task, True), trl(a, task, False)
+    (ckpt, ckpt_tok, batches), (plain, plain_tok, again) = trl(a, task, True), trl(a, task, False)
+    same = all(torch.equal(x[2], y[2]) for x, y in zip(batches, again))
+    mine, mine_tok = ours(a, batches)
     ratio = lambda x, y: f"{x / y:.2f}×" if y > 0 else "— (TRL has none)"
     print("| phase | ours s | TRL s (default: checkpointing) | ours / TRL | TRL s, no checkpointing | ours / TRL |")
     print("|---|---|---|---|---|---|")
@@ -122,7 +146,7 @@ def main():
         print(f"| {k} | {mine[k]:.2f} | {ckpt[k]:.2f} | {ratio(mine[k], ckpt[k])} | {plain[k]:.2f} | "
               f"{ratio(mine[k], plain[k])} |")
     print(f"| completion tokens per step | {mine_tok:.0f} | {ckpt_tok:.0f} | | {plain_tok:.0f} | |")
-    print(f"# load at end {os.getloadavg()[0]:.2f}")
+    print(f"# both TRL runs drew the same completions: {same}; load at end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

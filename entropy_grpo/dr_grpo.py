@@ -133,19 +133,26 @@ def _global_tokens(seqs:BatchedSequences) -> float:
     "Completion tokens of the global batch (every rank's `seqs`): dapo's normaliser."
     return float(all_reduce_sum([seqs.gen_lens.sum().double().reshape(1)])[0])
 
-def _microbatch_backward(sp, seqs, rows:slice, advantages, old_logp, ref_logp, params_override, **loss_kw) -> Tensor:
-    "Score the prompts `rows` of seqs with a graph and backward their loss; [4] float64: loss, tokens, clipped, KL."
-    res, _ = sp.teacher_force_logprobs(seqs[rows], with_grad=True, compute_rb=False, params_override=params_override)
+def _microbatch_backward(sp, seqs, rows:slice, advantages, old_logp, ref_logp, params_override, entropies:bool,
+                         **loss_kw) -> Tensor:
+    "Score the prompts `rows` of seqs with a graph and backward their loss; [6] float64: loss, tokens, clipped, KL,"
+    " and (entropies) the summed RB and full entropies of the same forward, detached."
+    res, _ = sp.teacher_force_logprobs(seqs[rows], with_grad=True, compute_rb=entropies, rb_grad=False,
+                                       params_override=params_override)
     dev, Tg = sp.device, res.logprobs.shape[-1]
     cut = lambda t: None if t is None else t[rows, :, :Tg].to(dev)
     loss, st = dr_grpo_loss(res.logprobs, cut(old_logp), advantages[rows].to(dev), res.gen_mask,
                             ref_logp=cut(ref_logp), return_stats=True, **loss_kw)
     if loss.requires_grad: loss.backward()
-    kl = st.get("kl_sum", torch.zeros((), device=dev))
-    return torch.stack([loss.detach().double(), st["n_tokens"].double(), st["n_clipped"].double(), kl.double()])
+    zero = torch.zeros((), device=dev)
+    h = [(e.detach() * res.gen_mask).sum() for e in (res.rb_entropies, res.full_entropies)] if entropies else [zero] * 2
+    parts = (loss, st["n_tokens"], st["n_clipped"], st.get("kl_sum", zero), *h)
+    return torch.stack([t.detach().double() for t in parts])
 
-def _reduced_results(model, total:Tensor, beta:float, reduce_grads:bool) -> dict:
-    "Sum the gradients (reduce_grads) and the [4] totals over ranks: the loss, token count, clip fraction (and KL)."
+# %% ../nbs/03_dr_grpo.ipynb #274c2bd4
+def _reduced_results(model, total:Tensor, beta:float, reduce_grads:bool, entropies:bool) -> dict:
+    "Sum the gradients (reduce_grads) and the [6] totals over ranks: the loss, token count, clip fraction (and KL,"
+    " and the token means of the entropies)."
     if world_size() > 1:
         if reduce_grads:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -153,8 +160,10 @@ def _reduced_results(model, total:Tensor, beta:float, reduce_grads:bool) -> dict
                 if p.grad is None: p.grad = torch.zeros_like(p)
             all_reduce_sum([p.grad for p in params])
         total = all_reduce_sum([total])[0]
-    out = dict(loss=float(total[0]), n_tokens=int(total[1]), clip_frac=float(total[2] / max(total[1], 1)))
-    if beta > 0: out["kl"] = float(total[3] / max(total[1], 1))
+    n = max(float(total[1]), 1.0)
+    out = dict(loss=float(total[0]), n_tokens=int(total[1]), clip_frac=float(total[2]) / n)
+    if beta > 0: out["kl"] = float(total[3]) / n
+    if entropies: out.update(entropy_rb=float(total[4]) / n, entropy_full=float(total[5]) / n)
     return out
 
 # %% ../nbs/03_dr_grpo.ipynb #f3727ba4
@@ -173,7 +182,8 @@ def policy_gradient_backward(
     prompts_per_microbatch:int|None=None,  # default max(1, tf_batch_size // G)
     params_override:dict|None=None,
     reduce_grads:bool=True,     # all_reduce gradients when torch.distributed is initialised
-)->dict:                        # loss (global), token count, clipped-token fraction, and mean k3 KL when beta > 0
+    entropies:bool=False,       # also the token means of the RB and full entropies, from the loss's own forward
+)->dict:                        # global loss, tokens, clip_frac; kl (beta > 0); entropy_rb, entropy_full (entropies)
     "Backward of the Dr.GRPO loss over microbatches of prompts; gradients accumulate into .grad."
     B, G, _ = seqs.shape
     _check_shape("advantages", advantages, (B, G))
@@ -182,11 +192,11 @@ def policy_gradient_backward(
     dapo = check_length_norm(length_norm, LOSS_NORMS) == "dapo"   # the global batch's tokens, before any microbatch
     loss_kw = dict(max_len=max_len or sp.config.max_new_tokens, clip_eps=clip_eps, beta=beta, length_norm=length_norm,
                    num_prompts=num_prompts or B * world_size(), n_tokens=_global_tokens(seqs) if dapo else None)
-    total = torch.zeros(4, dtype=torch.float64, device=sp.device)     # loss, tokens, clipped, KL sum
+    total = torch.zeros(6, dtype=torch.float64, device=sp.device)   # loss, tokens, clipped, KL, H_RB, H_full sums
     for s in range(0, B, step):
         total += _microbatch_backward(sp, seqs, slice(s, s + step), advantages, old_logp, ref_logp, params_override,
-                                      **loss_kw)
-    return _reduced_results(sp.model, total, beta, reduce_grads)
+                                      entropies, **loss_kw)
+    return _reduced_results(sp.model, total, beta, reduce_grads, entropies)
 
 # %% ../nbs/03_dr_grpo.ipynb #1d55026d
 def loss_token_weights(

@@ -14,7 +14,7 @@ from .utils import atomic_path, check_choice, quiet_checkpointing_name
 
 # %% auto #0
 __all__ = ['log', 'DEFAULT_POLICY', 'DEFAULT_GGUF', 'SMOLLM2_INSTALL', 'CHECKPOINT_ABOVE', 'PROBE_CHECKPOINT_ABOVE', 'TINY_EOS',
-           'TINY_PAD', 'default_device', 'resolve_dtype', 'wants_checkpointing', 'set_checkpointing',
+           'TINY_PAD', 'default_device', 'resolve_dtype', 'wants_checkpointing', 'set_checkpointing', 'dropout_modules',
            'checkpointed_train_mode', 'full_precision_norms', 'own_norms', 'prepare_tokenizer', 'cache_dir',
            'smollm2_gguf_path', 'convert_default_policy', 'load_policy', 'tokenizer_fingerprint', 'adapter_base',
            'tiny_tokenizer', 'tiny_policy', 'policy_by_name']
@@ -63,12 +63,17 @@ def set_checkpointing(model, on:bool=True):
     if enable is not None: enable(dict(use_reentrant=False))
     else: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
 
+def dropout_modules(model) -> list:
+    "The modules that drop out in train mode: each nn.Dropout with p > 0, each attention with attention_dropout > 0."
+    return [m for m in model.modules() if (isinstance(m, torch.nn.Dropout) and m.p > 0)
+            or (isinstance(getattr(m, "attention_dropout", None), float) and m.attention_dropout > 0)]
+
 def checkpointed_train_mode(model):
     "Gradient checkpointing on, every dropout at 0, train mode (transformers checkpoints only in train mode)."
     set_checkpointing(model)
-    for m in model.modules():
+    for m in dropout_modules(model):
         if isinstance(m, torch.nn.Dropout): m.p = 0.0
-        if isinstance(getattr(m, "attention_dropout", None), float): m.attention_dropout = 0.0
+        else: m.attention_dropout = 0.0
     return model.train()
 
 # %% ../nbs/00a_policies.ipynb #80a4df5a

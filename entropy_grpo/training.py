@@ -18,7 +18,7 @@ from .train_config import (LOSS_TYPE_OF, LOSS_TYPES, SCHEDULERS, TrainConfig,  #
 from .dist import all_reduce_sum, rank, shard_slice, world_size
 from .report_to import Reporter
 from .dr_grpo import group_advantages, policy_gradient_backward
-from .policies import set_checkpointing, wants_checkpointing
+from .policies import dropout_modules, set_checkpointing, wants_checkpointing
 from .sequence_processor import BatchedSequences, GenerationConfig, LogprobResults, SequenceProcessor
 from .utils import atomic_path, json_default, quiet_checkpointing_name, tqdm_disable, write_json
 
@@ -100,7 +100,7 @@ class StepContext:
     records:list|None=None             # [B_local][G] grade dicts
     rewards:Tensor|None=None           # [B_local, G]
     advantages:Tensor|None=None        # [B_local, G]
-    logprobs:LogprobResults|None=None  # the no-grad pass: pre-update log q, RB / full entropies
+    logprobs:LogprobResults|None=None  # the no-grad pass (μ > 1 or dropout; else None): pre-update log q
     backward:dict|None=None            # policy_gradient_backward's result for this iteration
 
 @dataclass
@@ -199,33 +199,44 @@ def _write_log(logf:Path, records:list[dict]):
         tmp.write_text("".join(json.dumps(r, default=json_default) + "\n" for r in records))
 
 # %% ../nbs/03a_training.ipynb #00ca4efd
-def _score(run:_Run, seqs:BatchedSequences, cfg:TrainConfig) -> tuple[LogprobResults, Tensor|None]:
-    "The no-grad pass over the rollout, and the reference log q [B, G, T_gen] when beta > 0."
-    res, _ = run.sp.teacher_force_logprobs(seqs, compute_rb=True)
+def _score(run:_Run, seqs:BatchedSequences, cfg:TrainConfig, dropout:bool) -> tuple[LogprobResults|None, Tensor|None]:
+    "The no-grad pass over the rollout when μ > 1 (old log q) or `dropout` (the entropies), and the reference log q"
+    " [B, G, T_gen] when beta > 0."
+    res = None
+    if cfg.num_iterations > 1 or dropout: res = run.sp.teacher_force_logprobs(seqs, compute_rb=dropout)[0]
     if cfg.beta == 0: return res, None
     if run.ref_sp is not None: return res, run.ref_sp.teacher_force_logprobs(seqs, compute_rb=False)[0].logprobs
     with run.reference(): return res, run.sp.teacher_force_logprobs(seqs, compute_rb=False)[0].logprobs
 
-def _reduce_step(ro:Rollout, res:LogprobResults, step:int, last_ckpt) -> dict:
-    "Global sums of the step's rewards, flags, tokens and entropies (one collective), as the record's means."
-    rewards, m = ro.rewards, res.gen_mask
+def _reduce_step(ro:Rollout, step:int, last_ckpt) -> dict:
+    "Global sums of the step's rewards and flags (one collective), as the record's means."
+    rewards = ro.rewards
     flags = [k for k in FLAGS if all(k in r for row in ro.records for r in row)]
     flag_sums = [float(torch.tensor([[r[k] for r in row] for row in ro.records],
                                     dtype=torch.bool).sum()) for k in flags]
     sums = torch.tensor([float(rewards.double().sum()), float((rewards.double() ** 2).sum()), rewards.numel(),
-                         float((rewards.amax(1) == rewards.amin(1)).sum()), rewards.shape[0], float(m.sum()),
-                         float((res.rb_entropies * m).sum()), float((res.full_entropies * m).sum())] + flag_sums,
+                         float((rewards.amax(1) == rewards.amin(1)).sum()), rewards.shape[0]] + flag_sums,
                         dtype=torch.float64)
     all_reduce_sum([sums])
-    r_sum, r_sq, n, n_flat, n_groups, n_tok, h_rb, h_full = sums[:8].tolist()
+    r_sum, r_sq, n, n_flat, n_groups = sums[:5].tolist()
     if not math.isfinite(r_sum):
         raise FloatingPointError(f"step {step}: the rewards contain NaN or inf; stopped before the optimizer step "
                                  f"(last good checkpoint: {last_ckpt})")
     r_mean = r_sum / n
     return dict(reward_mean=r_mean, reward_std=math.sqrt(max(r_sq - n * r_mean ** 2, 0.0) / max(n - 1, 1)),
-                **{FLAGS[k]: v / n for k, v in zip(flags, sums[8:].tolist())}, zero_std_frac=n_flat / n_groups,
-                completion_len=n_tok / n, entropy_rb=h_rb / max(n_tok, 1), entropy_full=h_full / max(n_tok, 1),
-                n_completions=int(n), n_tokens=int(n_tok))
+                **{FLAGS[k]: v / n for k, v in zip(flags, sums[5:].tolist())}, zero_std_frac=n_flat / n_groups,
+                n_completions=int(n))
+
+# %% ../nbs/03a_training.ipynb #e45d1d0f
+def _token_means(bw:dict, res:LogprobResults|None, n:int) -> dict:
+    "The record's token statistics: the first iteration's global token count and entropy means (bw), the entropies"
+    " from the no-grad pass `res` instead when it scored them (one collective)."
+    n_tok = bw["n_tokens"]
+    if res is not None and res.rb_entropies is not None:
+        m = res.gen_mask
+        h = all_reduce_sum([torch.stack([(res.rb_entropies * m).sum(), (res.full_entropies * m).sum()]).double()])[0]
+        bw = dict(entropy_rb=float(h[0]) / max(n_tok, 1), entropy_full=float(h[1]) / max(n_tok, 1))
+    return dict(completion_len=n_tok / n, entropy_rb=bw["entropy_rb"], entropy_full=bw["entropy_full"], n_tokens=n_tok)
 
 # %% ../nbs/03a_training.ipynb #7dabe929
 def _advantages(rewards:Tensor, cfg:TrainConfig, reward_std:float) -> Tensor:
@@ -234,7 +245,8 @@ def _advantages(rewards:Tensor, cfg:TrainConfig, reward_std:float) -> Tensor:
     return group_advantages(rewards, cfg.scale_rewards)
 
 # %% ../nbs/03a_training.ipynb #9671d4d3
-def _optimizer_steps(run:_Run, ctx:StepContext, res:LogprobResults, ref_logp, cfg:TrainConfig, callbacks) -> list[dict]:
+def _optimizer_steps(run:_Run, ctx:StepContext, res:LogprobResults|None, ref_logp, cfg:TrainConfig, callbacks,
+                     dropout:bool) -> list[dict]:
     "μ optimizer steps on the step's batch: backward → callbacks → finite check → clip → step; one dict per step."
     its, B = [], cfg.prompts_per_step
     for it in range(cfg.num_iterations):
@@ -246,7 +258,8 @@ def _optimizer_steps(run:_Run, ctx:StepContext, res:LogprobResults, ref_logp, cf
                                           res.logprobs if cfg.num_iterations > 1 else None,
                                           length_norm=cfg.length_norm, clip_eps=cfg.clip_range, beta=cfg.beta,
                                           ref_logp=ref_logp, num_prompts=B,
-                                          prompts_per_microbatch=cfg.prompts_per_microbatch)
+                                          prompts_per_microbatch=cfg.prompts_per_microbatch,
+                                          entropies=it == 0 and not dropout)
         finally: run.model.eval()
         if not math.isfinite(bw["loss"]):
             raise FloatingPointError(f"step {ctx.step}: loss is {bw['loss']}; stopped before the optimizer step "
@@ -294,17 +307,19 @@ def _train_step(run:_Run, ctx:StepContext, source, step:int, cfg:TrainConfig, ca
     torch.manual_seed(seed)
     ro = source(step, run.sp, cfg, seed)
     t = time.perf_counter()
-    res, ref_logp = _score(run, ro.batch, cfg)
+    dropout = bool(dropout_modules(run.model))
+    res, ref_logp = _score(run, ro.batch, cfg, dropout)
     t_tf, t = time.perf_counter() - t, time.perf_counter()
-    means = _reduce_step(ro, res, step, run.last_ckpt)
+    means = _reduce_step(ro, step, run.last_ckpt)
     ctx.step, ctx.batch, ctx.problems, ctx.records = step, ro.batch, ro.problems, ro.records
     ctx.rewards, ctx.logprobs = ro.rewards, res
     ctx.advantages = _advantages(ro.rewards, cfg, means["reward_std"])
     lr = run.sched.get_last_lr()[0]
-    its = _optimizer_steps(run, ctx, res, ref_logp, cfg, callbacks)
+    its = _optimizer_steps(run, ctx, res, ref_logp, cfg, callbacks, dropout)
     mean = lambda k: sum(x[k] for x in its) / len(its)
-    rec = dict(step=step, arm=cfg.arm, **means, loss=mean("loss"), grad_norm=mean("grad_norm"),
-               clip_frac=mean("clip_frac"), **({"kl": mean("kl")} if cfg.beta > 0 else {}), lr=lr,
+    rec = dict(step=step, arm=cfg.arm, **means, **_token_means(its[0], res, means["n_completions"]),
+               loss=mean("loss"), grad_norm=mean("grad_norm"), clip_frac=mean("clip_frac"),
+               **({"kl": mean("kl")} if cfg.beta > 0 else {}), lr=lr,
                time_generate=ro.time_generate, time_grade=ro.time_grade, time_teacher_force=t_tf,
                time_backward=time.perf_counter() - t)
     _callbacks(callbacks, "on_step_end", ctx, rec)

@@ -111,6 +111,28 @@ def test_bad_config_and_non_finite_rewards(fresh_tiny):
     assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
 
 
+class _Entropies:
+    "At step 0's first backward (θ not yet moved): the eval-mode no-grad token means of the batch's RB and full"
+    " entropies, and whether the step ran a no-grad pass of its own."
+    def on_after_backward(self, ctx):
+        if ctx.step == 0 and ctx.iteration == 0:
+            res, _ = ctx.sp.teacher_force_logprobs(ctx.batch, compute_rb=True)
+            m = res.gen_mask
+            self.h = [float((h * m).sum() / m.sum()) for h in (res.rb_entropies, res.full_entropies)]
+            self.scored = ctx.logprobs is not None
+
+
+@pytest.mark.parametrize("kw,scored", [({}, False), (dict(num_iterations=2), True), (dict(lora_dropout=0.5), True)])
+def test_logged_entropies_are_the_dropout_free_policys_at_the_steps_start(fresh_tiny, kw, scored):
+    "entropy_rb / entropy_full: the batch's token means under π_θ at the step's start with dropout off — from the"
+    " loss's own forward and no scoring pass at μ = 1, β = 0; under LoRA dropout from a no-grad eval pass instead."
+    cb = _Entropies()
+    cfg = _cfg(max_steps=1, generation=GenerationConfig(max_new_tokens=8, top_p=0.9), **kw)
+    rec = train(*fresh_tiny, DigitTask(64), cfg, callbacks=[cb], progress=False).records[0]
+    assert [rec["entropy_rb"], rec["entropy_full"]] == pytest.approx(cb.h, rel=1e-5)
+    assert rec["entropy_rb"] < rec["entropy_full"] and cb.scored == scored
+
+
 # ---------------------------------------------------------------- 2 processes
 
 class _Keep:
@@ -172,6 +194,10 @@ def test_two_processes_reduce_gradients_and_means(fresh_tiny64, tmp_path, loss_t
     assert rec["reward_mean"] == pytest.approx(float(rewards.double().mean()), rel=1e-12)
     assert rec["reward_std"] == pytest.approx(float(rewards.double().std()), rel=1e-9)
     assert rec["n_completions"] == 32 and fin[1]["records"][0]["reward_mean"] == rec["reward_mean"]
+    h = [sp.teacher_force_logprobs(s["batch"], compute_rb=True)[0] for s in s0]     # at step 0's start θ
+    for key, name in (("entropy_rb", "rb_entropies"), ("entropy_full", "full_entropies")):
+        want = sum(float((getattr(r, name) * r.gen_mask).sum()) for r in h) / n_tokens
+        assert rec[key] == pytest.approx(want, rel=1e-9), key
 
 
 def test_report_to_tensorboard_gets_every_records_numbers(fresh_tiny, tmp_path):
