@@ -8,14 +8,20 @@ seeded alike, the same completions. Ours then runs on TRL's batches (`Replay`): 
 completions for TRL's prompts (timed, then set aside) and trains on TRL's completions and rewards, so that scoring and
 loss do the same work in both. Each trainer runs a warm-up step then --steps steps; per step:
 
-* generation: every `generate` call (ours: the rollout's `time_generate`; TRL: its `generate` calls, timed);
+* generation: prompts to completions (ours: the rollout's `time_generate`; TRL: its `_generate`, timed: tokenising,
+  `generate` and decoding in both);
 * scoring: forwards without grad over the step's completions (ours: `time_teacher_force`, none at num_iterations 1
   and β 0 since the loss's forward gives the logged entropies; TRL: its no-grad log-prob passes, none there either);
 * loss: the forward that carries the loss, its backward, clipping and the optimizer step (ours: `time_backward`;
   TRL: `compute_loss`, `accelerator.backward` and what remains of its step after generation and scoring);
 * step: the whole step.
 
-Medians over the steps, the ratio ours / TRL per phase, and completion tokens per step. Never asserts on time.
+Medians over the steps, the ratio ours / TRL per phase, and completion tokens per step. Generation runs until the
+longest completion of the batch ends, and ours draws its own completions, so it also prints generation per decode step
+(decode_ms: a step's generation seconds over its longest completion, in ms). Then generation alone, interleaved:
+our `generate_batched` and the bare transformers `generate` it and TRL call, on a recorded step's prompts with the same
+seed (so the same samples and decode steps), alternated --steps times — the one same-work figure for generation, free
+of the drift between trainer runs. Never asserts on time.
 
     python bench/bench_step_vs_trl.py [--model default|tiny] [--threads 1] [--steps 3] [--prompts 4] [--G 4]
                                       [--max-new-tokens 32]
@@ -28,7 +34,8 @@ from transformers import PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from entropy_grpo.policies import load_policy, tiny_policy
-from entropy_grpo.sequence_processor import GenerationConfig
+from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor, hf_generation_config, \
+    own_generation_config
 from entropy_grpo.tasks import ArithmeticTask
 from entropy_grpo.training import Rollout, TrainConfig, train
 
@@ -44,14 +51,15 @@ def policy(a):
 class Replay:
     "Our data source on TRL's recorded steps: our own generate on TRL's prompts (timed; its completions set aside),"
     " then TRL's completions and rewards as the rollout."
-    def __init__(self, batches, G): self.batches, self.G = batches, G
+    def __init__(self, batches, G): self.batches, self.G, self.decode_steps = batches, G, {}
 
     def __call__(self, step, sp, config, seed) -> Rollout:
         ids, attn, out, rewards = self.batches[step]      # [B·G, P], [B·G, P], [B·G, P + L], [B·G]
         prompts = [row[m.bool()].tolist() for row, m in zip(ids[::self.G], attn[::self.G])]
         t = time.perf_counter()
-        sp.generate_batched(prompts, seed=seed)
+        own = sp.generate_batched(prompts, seed=seed)
         t_gen = time.perf_counter() - t
+        self.decode_steps[step] = own.sequences.shape[-1] - own.prompt_lens[0]   # the longest completion drawn
         seqs = sp._assemble(*sp._left_pad(prompts), [out[:, ids.shape[1]:]], self.G)
         r = rewards.view(len(prompts), self.G)
         return Rollout(seqs, prompts, [[{"reward": float(x)} for x in row] for row in r], r, t_gen)
@@ -63,30 +71,33 @@ def ours(a, batches) -> tuple[dict, float]:
     gen = GenerationConfig(max_new_tokens=a.max_new_tokens, num_generations=a.G, temperature=1.0, top_p=0.95)
     cfg = TrainConfig(max_steps=a.steps + 1, prompts_per_step=a.prompts, lora_r=16, lora_alpha=32.0,
                       lora_target_modules=SEVEN, generation=gen, loss_type="dr_grpo", learning_rate=7e-5, seed=0)
-    recs = train(model, tok, None, cfg, source=Replay(batches, a.G), progress=False).records[1:]
+    replay = Replay(batches, a.G)
+    recs = train(model, tok, None, cfg, source=replay, progress=False).records[1:]
     keys = dict(generation="time_generate", scoring="time_teacher_force", loss="time_backward", step="time_step")
-    return ({k: statistics.median(r[v] for r in recs) for k, v in keys.items()},
-            statistics.median(r["n_tokens"] for r in recs))
+    out = {k: statistics.median(r[v] for r in recs) for k, v in keys.items()}
+    out["decode_ms"] = statistics.median(1e3 * r["time_generate"] / replay.decode_steps[r["step"]] for r in recs)
+    return out, statistics.median(r["n_tokens"] for r in recs)
 
 
 class Timer(TrainerCallback):
-    "TRL's step, its generate calls and its no-grad log-prob passes (the rest of the step is the loss's): seconds;"
-    " and each step's batch: prompt ids, attention mask, generate's output and the rewards."
+    "TRL's step, its generation (`_generate`: tokenising, `generate`, decoding, as our rollout's time_generate) and"
+    " its no-grad log-prob passes (the rest of the step is the loss's): seconds; and each step's batch: prompt ids,"
+    " attention mask, `generate`'s output and the rewards."
     def __init__(self, trainer):
         self.steps, self.cur, self.trainer, self.batches = [], None, trainer, []
-        self._wrap(trainer.model, "generate", "generation")
+        self._wrap(trainer, "_generate", "generation")
         self._wrap(trainer, "_get_per_token_logps_and_entropies", "scoring")
-        self._wrap(trainer, "_calculate_rewards", None)
+        self._wrap(trainer.model, "generate", "batch")
+        self._wrap(trainer, "_calculate_rewards", "rewards")
 
     def _wrap(self, owner, name, key):
         fn = getattr(owner, name)
         def timed(*args, **kw):
             t = time.perf_counter()
             out = fn(*args, **kw)
-            if key is None: self.batches[-1].append(out.sum(1).cpu())      # [B·G, reward functions] -> [B·G]
-            elif key == "generation":
-                self.batches.append([kw["input_ids"].cpu(), kw["attention_mask"].cpu(), out.cpu()])
-            if self.cur is not None and key is not None and (key != "scoring" or not torch.is_grad_enabled()):
+            if key == "rewards": self.batches[-1].append(out.sum(1).cpu())     # [B·G, reward functions] -> [B·G]
+            elif key == "batch": self.batches.append([kw["input_ids"].cpu(), kw["attention_mask"].cpu(), out.cpu()])
+            elif self.cur is not None and (key != "scoring" or not torch.is_grad_enabled()):
                 self.cur[key] += time.perf_counter() - t
             return out
         setattr(owner, name, timed)
@@ -118,7 +129,33 @@ def trl(a, task, checkpointing:bool) -> tuple[dict, float, list]:
     steps = timer.steps[1:]
     tokens = [r["completions/mean_length"] * a.prompts * a.G for r in tr.state.log_history
               if "completions/mean_length" in r][1:]
-    return {k: statistics.median(s[k] for s in steps) for k in PHASES}, statistics.median(tokens), timer.batches
+    out = {k: statistics.median(s[k] for s in steps) for k in PHASES}
+    widths = [b[2].shape[1] - b[0].shape[1] for b in timer.batches[1:]]      # decode steps of each timed step
+    out["decode_ms"] = statistics.median(1e3 * s["generation"] / w for s, w in zip(steps, widths))
+    return out, statistics.median(tokens), timer.batches
+
+
+def generation_alone(a, batches) -> tuple[float, float, bool]:
+    "Medians of our generate_batched and of the bare `generate` on the same prompts and seeds, alternated; and whether"
+    " every call pair drew the same tokens."
+    from peft import get_peft_model
+    model, tok = policy(a)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=SEVEN)).eval()
+    sp = SequenceProcessor(model, tok, GenerationConfig(max_new_tokens=a.max_new_tokens, num_generations=a.G,
+                                                        temperature=1.0, top_p=0.95), progress=False)
+    ids, attn = batches[1][:2]
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids[::a.G], attn[::a.G])]
+    gcfg, times, same = hf_generation_config(sp.config, tok, sp.eos_token_id), ([], []), True
+    for seed in range(a.steps + 1):
+        t = time.perf_counter(); mine = sp.generate_batched(prompts, seed=seed); t_mine = time.perf_counter() - t
+        torch.manual_seed(seed * 1_000_003)                  # generate_batched's seed for its first (only) call
+        t = time.perf_counter()
+        with torch.no_grad(), own_generation_config(model):
+            bare = model.generate(input_ids=ids, attention_mask=attn, generation_config=gcfg)
+        t_bare = time.perf_counter() - t
+        same &= torch.equal(mine.sequences[..., mine.prompt_lens[0]:].flatten(0, 1), bare[:, ids.shape[1]:])
+        if seed: times[0].append(t_mine); times[1].append(t_bare)
+    return statistics.median(times[0]), statistics.median(times[1]), same
 
 
 def main():
@@ -139,14 +176,18 @@ def main():
     (ckpt, ckpt_tok, batches), (plain, plain_tok, again) = trl(a, task, True), trl(a, task, False)
     same = all(torch.equal(x[2], y[2]) for x, y in zip(batches, again))
     mine, mine_tok = ours(a, batches)
-    ratio = lambda x, y: f"{x / y:.2f}×" if y > 0 else "— (TRL has none)"
+    ratio = lambda x, y: f"{x / y:.2f}×" if y > 0 else "—"
     print("| phase | ours s | TRL s (default: checkpointing) | ours / TRL | TRL s, no checkpointing | ours / TRL |")
     print("|---|---|---|---|---|---|")
-    for k in PHASES:
+    for k in PHASES + ("decode_ms",):
         print(f"| {k} | {mine[k]:.2f} | {ckpt[k]:.2f} | {ratio(mine[k], ckpt[k])} | {plain[k]:.2f} | "
               f"{ratio(mine[k], plain[k])} |")
     print(f"| completion tokens per step | {mine_tok:.0f} | {ckpt_tok:.0f} | | {plain_tok:.0f} | |")
-    print(f"# both TRL runs drew the same completions: {same}; load at end {os.getloadavg()[0]:.2f}")
+    print(f"# both TRL runs drew the same completions: {same}; load {os.getloadavg()[0]:.2f}")
+    g_mine, g_bare, g_same = generation_alone(a, batches)
+    print(f"| generation alone, interleaved: ours / bare `generate` | {g_mine:.2f} | {g_bare:.2f} | "
+          f"{ratio(g_mine, g_bare)} | same tokens: {g_same} | |")
+    print(f"# load at end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
