@@ -1,12 +1,15 @@
 """The package's Dr.GRPO training step (`training.train`) beside TRL's `GRPOTrainer` step, in one process, by phase.
 
 The same weights (the embedded SmolLM2-135M-Instruct, float32, CPU), the same task (`Task.trl_dataset` for TRL), G,
-max new tokens, temperature 1 and top_p 0.95, LoRA r 16 (α 32) on all seven projections, loss_type dr_grpo, β 0, one
-optimizer step per batch, lr 7e-5. TRL runs first, twice: with its own defaults (gradient checkpointing on, what a TRL
-user has) and with gradient checkpointing off (as our loop runs a model this size); both draw the same prompts and,
-seeded alike, the same completions. Ours then runs on TRL's batches (`Replay`): each step generates its own
-completions for TRL's prompts (timed, then set aside) and trains on TRL's completions and rewards, so that scoring and
-loss do the same work in both. Each trainer runs a warm-up step then --steps steps; per step:
+max new tokens, temperature 1, top_p, LoRA r 16 (α 32), loss_type dr_grpo, β 0, one optimizer step per batch, at one
+of two settings: `arith` (`ArithmeticTask`, 4 prompts × G 4, 32 new tokens, top_p 0.95, LoRA on all seven
+projections, lr 7e-5) or `leak` (the real-model hack bed's LoRA arms: `hackbed.ReferenceLeakTask` without the hint,
+4 prompts × G 8, 24 new tokens, top_p 1, LoRA on q/k/v/o, lr 1e-3). TRL runs first, twice: with its own defaults
+(gradient checkpointing on, what a TRL user has) and with gradient checkpointing off (as our loop runs a model this
+size); both draw the same prompts and, seeded alike, the same completions. Ours then runs on TRL's batches
+(`Replay`): each step generates its own completions for TRL's prompts (timed, then set aside) and trains on TRL's
+completions and rewards, so that scoring and loss do the same work in both. Each trainer runs a warm-up step then
+--steps steps; per step:
 
 * generation: prompts to completions (ours: the rollout's `time_generate`; TRL: its `_generate`, timed: tokenising,
   `generate` and decoding in both);
@@ -23,8 +26,8 @@ our `generate_batched` and the bare transformers `generate` it and TRL call, on 
 seed (so the same samples and decode steps), alternated --steps times — the one same-work figure for generation, free
 of the drift between trainer runs. Never asserts on time.
 
-    python bench/bench_step_vs_trl.py [--model default|tiny] [--threads 1] [--steps 3] [--prompts 4] [--G 4]
-                                      [--max-new-tokens 32]
+    python bench/bench_step_vs_trl.py [--setting arith|leak] [--model default|tiny] [--threads 1] [--steps 3]
+                                      [--prompts N] [--G N] [--max-new-tokens N]
 """
 import argparse, os, platform, statistics, tempfile, time, warnings
 
@@ -36,12 +39,16 @@ from trl import GRPOConfig, GRPOTrainer
 from entropy_grpo.policies import load_policy, tiny_policy
 from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor, hf_generation_config, \
     own_generation_config
+from entropy_grpo.hackbed import ReferenceLeakTask
 from entropy_grpo.tasks import ArithmeticTask
 from entropy_grpo.training import Rollout, TrainConfig, train
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 PHASES = ("generation", "scoring", "loss", "step")
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SETTINGS = dict(arith=dict(task=ArithmeticTask, prompts=4, G=4, max_new_tokens=32, top_p=0.95, targets=SEVEN, lr=7e-5),
+                leak=dict(task=ReferenceLeakTask, prompts=4, G=8, max_new_tokens=24, top_p=1.0, targets=SEVEN[:4],
+                          lr=1e-3))
 
 
 def policy(a):
@@ -68,9 +75,9 @@ class Replay:
 def ours(a, batches) -> tuple[dict, float]:
     "Per-phase medians of `train`'s own step timings on TRL's batches, and completion tokens per step."
     model, tok = policy(a)
-    gen = GenerationConfig(max_new_tokens=a.max_new_tokens, num_generations=a.G, temperature=1.0, top_p=0.95)
+    gen = GenerationConfig(max_new_tokens=a.max_new_tokens, num_generations=a.G, temperature=1.0, top_p=a.top_p)
     cfg = TrainConfig(max_steps=a.steps + 1, prompts_per_step=a.prompts, lora_r=16, lora_alpha=32.0,
-                      lora_target_modules=SEVEN, generation=gen, loss_type="dr_grpo", learning_rate=7e-5, seed=0)
+                      lora_target_modules=a.targets, generation=gen, loss_type="dr_grpo", learning_rate=a.lr, seed=0)
     replay = Replay(batches, a.G)
     recs = train(model, tok, None, cfg, source=replay, progress=False).records[1:]
     keys = dict(generation="time_generate", scoring="time_teacher_force", loss="time_backward", step="time_step")
@@ -115,13 +122,13 @@ def trl(a, task, checkpointing:bool) -> tuple[dict, float, list]:
     "Per-phase medians of TRL's step, completion tokens per step, and its steps' batches."
     model, tok = policy(a)
     args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=a.prompts * a.G, num_generations=a.G,
-                      max_completion_length=a.max_new_tokens, max_steps=a.steps + 1, learning_rate=7e-5,
-                      temperature=1.0, top_p=0.95, loss_type="dr_grpo", beta=0.0, use_cpu=True, bf16=False,
+                      max_completion_length=a.max_new_tokens, max_steps=a.steps + 1, learning_rate=a.lr,
+                      temperature=1.0, top_p=a.top_p, loss_type="dr_grpo", beta=0.0, use_cpu=True, bf16=False,
                       report_to="none", logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True,
                       gradient_checkpointing=checkpointing)
     tr = GRPOTrainer(model=model, reward_funcs=task.trl_rewards(("reward",)), args=args, processing_class=tok,
                      train_dataset=task.trl_dataset(tok),
-                     peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=SEVEN))
+                     peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=a.targets))
     tr.remove_callback(PrinterCallback)
     timer = Timer(tr)
     tr.add_callback(timer)
@@ -140,9 +147,9 @@ def generation_alone(a, batches) -> tuple[float, float, bool]:
     " every call pair drew the same tokens."
     from peft import get_peft_model
     model, tok = policy(a)
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=SEVEN)).eval()
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=a.targets)).eval()
     sp = SequenceProcessor(model, tok, GenerationConfig(max_new_tokens=a.max_new_tokens, num_generations=a.G,
-                                                        temperature=1.0, top_p=0.95), progress=False)
+                                                        temperature=1.0, top_p=a.top_p), progress=False)
     ids, attn = batches[1][:2]
     prompts = [row[m.bool()].tolist() for row, m in zip(ids[::a.G], attn[::a.G])]
     gcfg, times, same = hf_generation_config(sp.config, tok, sp.eos_token_id), ([], []), True
@@ -166,15 +173,19 @@ def main():
     ap.add_argument("--model", default="default", choices=("default", "tiny"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per trainer (after one warm-up step)")
-    ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
-    ap.add_argument("--G", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--setting", default="arith", choices=tuple(SETTINGS))
+    ap.add_argument("--prompts", type=int, help="prompts per step (default: the setting's)")
+    ap.add_argument("--G", type=int, help="completions per prompt (default: the setting's)")
+    ap.add_argument("--max-new-tokens", type=int, help="(default: the setting's)")
     a = ap.parse_args()
+    for k, v in SETTINGS[a.setting].items():
+        if getattr(a, k, None) is None: setattr(a, k, v)
     torch.set_num_threads(a.threads)
-    task = ArithmeticTask()
+    task = a.task()
     print(f"# {platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}, load "
-          f"{os.getloadavg()[0]:.2f}, model {a.model}, LoRA r 16 on the seven projections, {a.prompts} prompts × "
-          f"G {a.G}, {a.max_new_tokens} new tokens, top_p 0.95, dr_grpo, float32, median of {a.steps} steps after a "
+          f"{os.getloadavg()[0]:.2f}, model {a.model}, setting {a.setting}: LoRA r 16 on "
+          f"{len(a.targets)} projections, {a.prompts} prompts × G {a.G}, {a.max_new_tokens} new tokens, "
+          f"top_p {a.top_p}, lr {a.lr}, dr_grpo, float32, median of {a.steps} steps after a "
           "warm-up")
     (ckpt, ckpt_tok, batches), (plain, plain_tok, again) = trl(a, task, True), trl(a, task, False)
     same = all(torch.equal(x[2], y[2]) for x, y in zip(batches, again))
