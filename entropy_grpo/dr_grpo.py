@@ -145,9 +145,8 @@ def _microbatch_backward(sp, seqs, rows:slice, advantages, old_logp, ref_logp, p
                             ref_logp=cut(ref_logp), return_stats=True, **loss_kw)
     if loss.requires_grad: loss.backward()
     zero = torch.zeros((), device=dev)
-    h = [(e.detach() * res.gen_mask).sum() for e in (res.rb_entropies, res.full_entropies)] if entropies else [zero] * 2
-    parts = (loss, st["n_tokens"], st["n_clipped"], st.get("kl_sum", zero), *h)
-    return torch.stack([t.detach().double() for t in parts])
+    parts = torch.stack([t.detach().double() for t in (loss, st["n_tokens"], st["n_clipped"], st.get("kl_sum", zero))])
+    return torch.cat([parts, res.entropy_totals.double() if entropies else parts.new_zeros(2)])
 
 # %% ../nbs/03_dr_grpo.ipynb #274c2bd4
 def _reduced_results(model, total:Tensor, beta:float, reduce_grads:bool, entropies:bool) -> dict:

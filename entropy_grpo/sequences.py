@@ -123,6 +123,10 @@ class LogprobResults:
     def rb_entropy_sums(self) -> Tensor:    # [B, G] Σ_t H_t
         return (self.rb_entropies * self.gen_mask).sum(-1)
 
+    @property
+    def entropy_totals(self) -> Tensor:     # [2] Σ over every completion token of the RB and full entropies
+        return torch.stack([(h.detach() * self.gen_mask).sum() for h in (self.rb_entropies, self.full_entropies)])
+
 # %% ../nbs/00e_sequences.ipynb #2957fe1c
 @patch
 def to_lists(self:LogprobResults) -> dict:

@@ -232,11 +232,9 @@ def _token_means(bw:dict, res:LogprobResults|None, n:int) -> dict:
     "The record's token statistics: the first iteration's global token count and entropy means (bw), the entropies"
     " from the no-grad pass `res` instead when it scored them (one collective)."
     n_tok = bw["n_tokens"]
-    if res is not None and res.rb_entropies is not None:
-        m = res.gen_mask
-        h = all_reduce_sum([torch.stack([(res.rb_entropies * m).sum(), (res.full_entropies * m).sum()]).double()])[0]
-        bw = dict(entropy_rb=float(h[0]) / max(n_tok, 1), entropy_full=float(h[1]) / max(n_tok, 1))
-    return dict(completion_len=n_tok / n, entropy_rb=bw["entropy_rb"], entropy_full=bw["entropy_full"], n_tokens=n_tok)
+    h = (bw["entropy_rb"], bw["entropy_full"]) if res is None or res.rb_entropies is None else \
+        [float(x) / max(n_tok, 1) for x in all_reduce_sum([res.entropy_totals.double()])[0]]
+    return dict(completion_len=n_tok / n, entropy_rb=h[0], entropy_full=h[1], n_tokens=n_tok)
 
 # %% ../nbs/03a_training.ipynb #7dabe929
 def _advantages(rewards:Tensor, cfg:TrainConfig, reward_std:float) -> Tensor:
