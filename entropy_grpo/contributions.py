@@ -14,14 +14,15 @@ from torch import Tensor, nn
 from fastcore.basics import patch
 
 from .dr_grpo import dr_grpo_loss, length_normaliser
+from .policies import is_checkpointing
 from .pools import Pool, replay_batch
 from .sequence_processor import BatchedSequences, SequenceProcessor
 from .utils import check_choice, clean_json, row_cosines, welch
 
 # %% auto #0
 __all__ = ['LOSS_MODES', 'GRAD_METHODS', 'COS_REDUCE', 'PHASE1_BUCKETS', 'sample_losses', 'as_params', 'per_sample_grads',
-           'Contributions', 'sample_contributions', 'cosines', 'grad_norms', 'unsqueeze_grads', 'phase1_bucket',
-           'phase1_ttest', 'phase1_probe']
+           'contribution_hooks', 'Contributions', 'sample_contributions', 'cosines', 'grad_norms', 'unsqueeze_grads',
+           'phase1_bucket', 'phase1_ttest', 'phase1_probe']
 
 # %% ../nbs/04b_contributions.ipynb #6e5b8f4f
 LOSS_MODES = ("grpo", "nll")
@@ -147,6 +148,23 @@ def check_rows(self:_LinearGradHooks):
     off = {tuple(sorted(self.by_module[m].values())): n for m, n in self.rows_seen.items() if n != self.n_rows}
     if off: raise ValueError(f"method='hooks': layers saw {off} rows, expected {self.n_rows} each "
                              "(activation checkpointing or a layer called twice?); use method='vmap'")
+
+# %% ../nbs/04b_contributions.ipynb #3ca1ee9b
+def contribution_hooks(
+    model:nn.Module,           # the model whose forward and backward will run inside the hooks
+    params,                    # parameter set (see `as_params`)
+    n_rows:int,                # rows (samples) the forward will see, in order, microbatch after microbatch
+) -> _LinearGradHooks|None:    # enter it around the forward and backward, then `.result()`; None where hooks cannot
+    "Hooks that collect each row's gradient from whatever forward and backward run inside them."
+    params = as_params(params)
+    owners = _linear_owners(model, params)
+    return None if owners is None or is_checkpointing(model) else _LinearGradHooks(owners, params, n_rows)
+
+@patch
+def result(self:_LinearGradHooks) -> dict[str, Tensor]:
+    "name -> [n_rows, *shape]: each row's gradient, once every hooked layer has seen every row once."
+    self.check_rows()
+    return self.grads
 
 # %% ../nbs/04b_contributions.ipynb #2ba8c001
 @dataclass

@@ -11,7 +11,7 @@ import torch
 from fastcore.basics import patch
 from torch import Tensor
 
-from .contributions import cosines, grad_norms, sample_contributions
+from .contributions import contribution_hooks, cosines, grad_norms, sample_contributions
 from .decision import (LISTED_VERDICTS, decide, entropy_probe_row, pool_flags,  # noqa: F401 (re-exported)
                                    verification_table)
 from .pools import read_jsonl_gz, step_files, write_jsonl_gz
@@ -124,7 +124,7 @@ class Phase2Recorder:
         self.out, self.steps, self.slim, self._now = None if out_dir is None else Path(out_dir), [], [], None
         if self.out is not None and self.out.is_dir():   # a re-run starts clean: no step of an earlier run survives
             for f in [*self.out.glob("step_*.cos.jsonl.gz"), self.out/"steps.jsonl"]: f.unlink(missing_ok=True)
-        self.u = {m: v.sum(0) for m, v in arm.v_hack.V.items()}
+        self.u, self._hooks = {m: v.sum(0) for m, v in arm.v_hack.V.items()}, None
 
 # %% ../nbs/06_phase2.ipynb #9dfb65dc
 @patch
@@ -144,13 +144,31 @@ def _delta(self:Phase2Recorder, opt, vecs:dict, max_norm) -> dict:
 
 # %% ../nbs/06_phase2.ipynb #bfadc1f3
 @patch
+def _params(self:Phase2Recorder) -> dict:
+    return {n: p for n, p in self.arm.adapter.model.named_parameters() if p.requires_grad}
+
+@patch
+def during_backward(self:Phase2Recorder, ctx):
+    "Hooks that read each sample's contribution from the loss's own forward and backward; None where they cannot."
+    B, G, _ = ctx.batch.shape
+    self._hooks = contribution_hooks(ctx.sp.model, self._params(), B * G)
+    return self._hooks
+
+@patch
+def _contributions(self:Phase2Recorder, ctx) -> dict:
+    "name -> [B·G, *shape]: this backward's hooked rows, else `sample_contributions` in a pass of its own."
+    hooks, self._hooks, cfg = self._hooks, None, ctx.config
+    if hooks is not None: return hooks.result()
+    return sample_contributions(ctx.sp, ctx.batch, self._params(), ctx.advantages, loss_mode="grpo",
+                                length_norm=cfg.length_norm, max_len=cfg.generation.max_new_tokens,
+                                num_prompts=cfg.prompts_per_step).grads
+
+# %% ../nbs/06_phase2.ipynb #62d25593
+@patch
 def on_after_backward(self:Phase2Recorder, ctx):
     "Contributions, the arm's projection and every Δθ, before clipping and the optimizer step."
     ad, cfg, opt = self.arm.adapter, ctx.config, ctx.optimizer
-    g = ad.flat_grads()
-    named = {n: p for n, p in ad.model.named_parameters() if p.requires_grad}
-    con = sample_contributions(ctx.sp, ctx.batch, named, ctx.advantages, loss_mode="grpo", length_norm=cfg.length_norm,
-                               max_len=cfg.generation.max_new_tokens, num_prompts=cfg.prompts_per_step)
+    g, con = ad.flat_grads(), self._contributions(ctx)
     self.arm.on_after_backward(ctx)
     g_used, clip = ad.flat_grads(), cfg.max_grad_norm
     d_used, d_plain = self._delta(opt, g_used, clip), self._delta(opt, g, clip)
@@ -161,13 +179,13 @@ def on_after_backward(self:Phase2Recorder, ctx):
         ctrl.append(dict(source=c.meta.get("source"), cos_in=_cos(g, u_c), removed=_removed(g, g_c),
                          cos_step=_toward(self._delta(opt, g_c, clip) if self.arm.projects else d_plain, u_c),
                          cos_step_plain=_toward(d_plain, u_c),
-                         contrib=[clean_json(x) for x in cosines(con.grads, c.direction(ad))]))
+                         contrib=[clean_json(x) for x in cosines(con, c.direction(ad))]))
     self._now = dict(con=con, d_used=d_used, theta=[p.detach().clone() for p in ad.parameters()], stats=dict(
         cos_in=_cos(g, self.u), cos_out=_cos(g_used, self.u) if self.arm.projects else None,
         removed=_removed(g, g_used), overshot=_overshot(g, g_used, self.arm.v_hack.V),
         cos_step=_toward(d_used, self.u), cos_step_plain=_toward(d_plain, self.u), controls=ctrl))
 
-# %% ../nbs/06_phase2.ipynb #62d25593
+# %% ../nbs/06_phase2.ipynb #2f333280
 @patch
 def on_step_end(self:Phase2Recorder, ctx, record:dict):
     "Check the actual Δθ, then write the step's slim rows and its line of steps.jsonl; add the numbers to the record."
@@ -178,7 +196,7 @@ def on_step_end(self:Phase2Recorder, ctx, record:dict):
     recs = [r for group in ctx.problems for r in group]
     if not all("src_pool" in r for r in recs):
         raise ValueError("Phase2Recorder needs replayed pool records (ReplaySource)")
-    cos_s, norms = cosines(now["con"].grads, self.arm.v_hack.direction(ad)), grad_norms(now["con"].grads)
+    cos_s, norms = cosines(now["con"], self.arm.v_hack.direction(ad)), grad_norms(now["con"])
     st = now["stats"]
     frac = clean_json(record.get("frac_fired")) if self.arm.projects else None
     slim = [dict(step=ctx.step, sample_id=i, src_pool=r["src_pool"], src_step=r["src_step"], src_sample=r["src_sample"],

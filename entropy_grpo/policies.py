@@ -14,10 +14,10 @@ from .utils import atomic_path, check_choice, quiet_checkpointing_name
 
 # %% auto #0
 __all__ = ['log', 'DEFAULT_POLICY', 'DEFAULT_GGUF', 'SMOLLM2_INSTALL', 'CHECKPOINT_ABOVE', 'PROBE_CHECKPOINT_ABOVE', 'TINY_EOS',
-           'TINY_PAD', 'default_device', 'resolve_dtype', 'wants_checkpointing', 'set_checkpointing', 'dropout_modules',
-           'checkpointed_train_mode', 'full_precision_norms', 'own_norms', 'prepare_tokenizer', 'cache_dir',
-           'smollm2_gguf_path', 'convert_default_policy', 'load_policy', 'tokenizer_fingerprint', 'adapter_base',
-           'tiny_tokenizer', 'tiny_policy', 'policy_by_name']
+           'TINY_PAD', 'default_device', 'resolve_dtype', 'wants_checkpointing', 'set_checkpointing',
+           'is_checkpointing', 'dropout_modules', 'checkpointed_train_mode', 'full_precision_norms', 'own_norms',
+           'prepare_tokenizer', 'cache_dir', 'smollm2_gguf_path', 'convert_default_policy', 'load_policy',
+           'tokenizer_fingerprint', 'adapter_base', 'tiny_tokenizer', 'tiny_policy', 'policy_by_name']
 
 # %% ../nbs/00a_policies.ipynb #02453bff
 log = logging.getLogger(__name__)
@@ -62,6 +62,11 @@ def set_checkpointing(model, on:bool=True):
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None: enable(dict(use_reentrant=False))
     else: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+
+# %% ../nbs/00a_policies.ipynb #61fce622
+def is_checkpointing(model) -> bool:
+    "Whether `model` (a transformers model, or a peft model around one) recomputes its layers in backward."
+    with quiet_checkpointing_name(): return bool(getattr(model, "is_gradient_checkpointing", False))
 
 def dropout_modules(model) -> list:
     "The modules that drop out in train mode: each nn.Dropout with p > 0, each attention with attention_dropout > 0."

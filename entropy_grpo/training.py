@@ -5,6 +5,7 @@
 # %% ../nbs/03a_training.ipynb #ffe7977a
 from __future__ import annotations
 import copy, json, math, random, time, warnings
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -250,15 +251,17 @@ def _optimizer_steps(run:_Run, ctx:StepContext, res:LogprobResults|None, ref_log
     for it in range(cfg.num_iterations):
         ctx.iteration = it
         run.opt.zero_grad(set_to_none=True)
-        run.model.train()
-        try:
+        with ExitStack() as around:                       # eval mode again and hooks removed, whatever happens
+            around.callback(run.model.eval)
+            for cm in (getattr(cb, "during_backward", lambda c: None)(ctx) for cb in callbacks):
+                if cm is not None: around.enter_context(cm)
+            run.model.train()
             bw = policy_gradient_backward(run.sp, ctx.batch, ctx.advantages,
                                           res.logprobs if cfg.num_iterations > 1 else None,
                                           length_norm=cfg.length_norm, clip_eps=cfg.clip_range, beta=cfg.beta,
                                           ref_logp=ref_logp, num_prompts=B,
                                           prompts_per_microbatch=cfg.prompts_per_microbatch,
                                           entropies=it == 0 and not dropout)
-        finally: run.model.eval()
         if not math.isfinite(bw["loss"]):
             raise FloatingPointError(f"step {ctx.step}: loss is {bw['loss']}; stopped before the optimizer step "
                                      f"(last good checkpoint: {run.last_ckpt})")
@@ -332,7 +335,7 @@ def train(
     task=None,                       # Task for the default GenerationSource (ignored when `source` is given)
     config:TrainConfig|None=None,
     out_dir:str|Path|None=None,      # config.json, log.jsonl, checkpoints/; None = nothing written
-    callbacks:list=(),               # objects with on_after_backward(ctx), on_step_end(ctx, record), on_train_end(ctx)
+    callbacks:list=(),               # objects with during_backward, on_after_backward, on_step_end, on_train_end
     resume_from:str|Path|None=None,  # a checkpoint folder of this run, or "latest": out_dir's newest, if any
     progress:bool|None=None,         # tqdm bar on rank 0 (throttled); None = only on a terminal
     source=None,                     # source(step, sp, config, seed) -> Rollout; default GenerationSource(task)

@@ -9,8 +9,8 @@ import warnings
 import torch
 
 from .memory import free_bytes, model_shape, probe_added_bytes
+from .policies import is_checkpointing
 from .probe_state import probe_checkpointing, scores_in_place
-from .utils import quiet_checkpointing_name
 
 # %% auto #0
 __all__ = ['check_parallelism', 'probe_memory', 'check_probe_memory']
@@ -49,8 +49,7 @@ def probe_memory(
     b, in_place = torch.finfo(dtype).bits // 8, scores_in_place(model, dtype)
     tensors = (*model.parameters(), *model.buffers())
     copy = 0 if in_place else sum(t.numel() * (b if t.is_floating_point() else t.element_size()) for t in tensors)
-    with quiet_checkpointing_name(): ckpt = bool(getattr(model, "is_gradient_checkpointing", False))
-    ckpt = ckpt or (not in_place and probe_checkpointing(model, dtype))
+    ckpt = is_checkpointing(model) or (not in_place and probe_checkpointing(model, dtype))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return probe_added_bytes(s, trainable, b, copy, seqs_per_pass, ctx, completion, ckpt, chunk)
 

@@ -123,6 +123,39 @@ def test_never_firing_gate_is_bitwise_vanilla(planted):
     assert all(torch.equal(p, q) for p, q in zip(ad.parameters(), ad_p.parameters()))
 
 
+def test_contributions_come_from_the_loss_backward(planted):
+    """The recorder reads each sample's contribution off the training backward itself: one forward a step instead of
+    two, the contributions add up to the batch gradient and equal a separate `sample_contributions` pass, and the
+    parameters train bitwise as under the arm alone."""
+    class SeparatePass(Phase2Recorder):
+        def during_backward(self, ctx): return None
+    def run(kind):
+        model, tok = tiny_policy(0)
+        ad, forwards, sums = add_delta_s(model), [0], []
+        model.get_decoder().register_forward_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
+        arm = ProjectionArm("projected", ad, planted["fit"]("pairs", 99), gate="none")
+        rec = {"arm": None, "hooks": Phase2Recorder, "separate": SeparatePass}[kind]
+        rec = arm if rec is None else rec(arm, planted["controls"][:2])
+        grads = {}
+        class Check:    # .grad before the recorder and its arm, then the contributions the recorder took
+            def on_after_backward(self, ctx):
+                if not grads: grads.update({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+                else: sums.append(max(float((rec._now["con"][n].sum(0) - g).abs().max() / g.abs().max())
+                                      for n, g in grads.items())); grads.clear()
+        cbs = [rec] if kind == "arm" else [Check(), rec, Check()]
+        train(model, tok, config=TrainConfig(max_steps=3, prompts_per_step=1, num_generations=8, learning_rate=1e-3,
+                                             generation=GEN),
+              source=ReplaySource(planted["pools"], [3, 4, 5], 4), callbacks=cbs)
+        return [p.detach().clone() for p in ad.parameters()], forwards[0], sums, getattr(rec, "slim", None)
+    alone, hooked, separate = run("arm"), run("hooks"), run("separate")
+    assert (alone[1], hooked[1], separate[1]) == (3, 3, 6)
+    assert all(torch.equal(p, q) for p, q in zip(alone[0], hooked[0]))
+    assert len(hooked[2]) == 3 and max(hooked[2]) < 1e-5, hooked[2]
+    for a, b in zip(hooked[3], separate[3]):
+        assert a["grad_norm_contrib"] == pytest.approx(b["grad_norm_contrib"], rel=1e-5)
+        assert a["cos_S_contrib"] == pytest.approx(b["cos_S_contrib"], abs=1e-5)
+
+
 def test_arm_pairs_train_the_same_parameters():
     assert set(ARMS) == set(ARM_ADAPTER)
     for pair in (("vanilla", "projected"), ("vanilla_lora", "projected_lora")):
