@@ -5,7 +5,7 @@
 # %% ../nbs/06b_phase2_run.ipynb #848bdda7
 from __future__ import annotations
 import copy, json, time, warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +33,7 @@ from .training import LOSS_TYPE_OF, TrainConfig, build_optimizer, train
 from .utils import TemplateConfig, check_choice, check_range, trim_memory, write_json
 
 # %% auto #0
-__all__ = ['PROBE_TF_BATCH', 'Phase2Config', 'Phase2Run']
+__all__ = ['INFO_SIZES', 'PROBE_TF_BATCH', 'Phase2Config', 'Phase2Run']
 
 # %% ../nbs/06b_phase2_run.ipynb #69eb6fb1
 @dataclass
@@ -84,7 +84,6 @@ class Phase2Config(TemplateConfig):
 
     @property
     def vanilla_arm(self) -> str: return self.arm.replace("projected", "vanilla")
-
     @property
     def generation(self) -> GenerationConfig:
         return GenerationConfig(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
@@ -132,6 +131,15 @@ def three_pools(self:Phase2Config) -> bool:
 def per_pool(self:Phase2Config) -> list[int]:
     "Samples of each pool in a mixed group: [G/2 teacher, G/2 base], or [G/2, G/4, G/4] with a style pool."
     return [self.G // 2, self.G // 4, self.G // 4] if self.three_pools else [self.G // 2, self.G // 2]
+
+INFO_SIZES = ("on_policy_prompts", "E_total_sequences", "B_U")   # sizes that only information rows read
+
+@patch(as_prop=True)
+def smaller_info_rows(self:Phase2Config) -> str:
+    "One sentence naming the information rows' sizes set below the defaults (the demo's); '' when none are."
+    low = [f"{f.name}={getattr(self, f.name)} (default {f.default})" for f in fields(self)
+           if f.name in INFO_SIZES and getattr(self, f.name) < f.default]
+    return f"Smaller than `probe`'s, for information rows only: {', '.join(low)}." if low else ""
 
 # %% ../nbs/06b_phase2_run.ipynb #aa13abd8
 class Phase2Run:
