@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 from fastcore.basics import patch
 from tqdm.auto import tqdm
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .policies import load_policy, tiny_policy  # noqa: F401 (re-exported: part of this module's API)
 from .policies import prepare_tokenizer
@@ -152,9 +153,24 @@ def _sample(self:SequenceProcessor, prompt_block:Tensor, attn_block:Tensor, G:in
             with own_generation_config(self.model):
                 out = self.model.generate(input_ids=pb.repeat_interleave(G, 0),
                                           attention_mask=ab.repeat_interleave(G, 0),
-                                          generation_config=gcfg)
+                                          generation_config=gcfg, **self._shared_prefix(pb, ab, G))
             completions.append(out[:, pb.shape[1]:].cpu())
     return completions
+
+# %% ../nbs/00_sequence_processor.ipynb #4448665d
+_CACHE = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"   # transformers 5
+
+@patch
+def _shared_prefix(self:SequenceProcessor, pb:Tensor, ab:Tensor, G:int) -> dict:
+    "generate's cache argument: the [n, P−1] prompt prefix scored once per prompt, its cache repeated G times; or {}."
+    decoder = getattr(self.model, "get_decoder", lambda: None)()
+    if G == 1 or decoder is None or not ab[:, :-1].any(1).all(): return {}
+    pos = (ab.cumsum(-1) - 1).masked_fill(ab == 0, 1)           # generate's position ids under left padding
+    out = decoder(input_ids=pb[:, :-1], attention_mask=ab[:, :-1], position_ids=pos[:, :-1], use_cache=True)
+    cache = getattr(out, _CACHE, None)
+    if not hasattr(cache, "batch_repeat_interleave"): return {}
+    cache.batch_repeat_interleave(G)
+    return {_CACHE: cache}
 
 # %% ../nbs/00_sequence_processor.ipynb #f01b75e5
 @patch

@@ -261,3 +261,29 @@ def test_probe_batch_round_trip(tiny):
         check_probe_batch({**batch, "advantages": torch.zeros(2, 3)})
     with pytest.raises(ValueError, match="lacks"):
         check_probe_batch({k: v for k, v in batch.items() if k != "rewards"})
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_generate_batched_reads_each_prompt_once(lora):
+    """The G rows of a prompt share its prefill: the decoder sees each left-padded prompt once (B rows, P − 1 columns)
+    and never B·G rows of prompt, and the completions are token for token those of the bare `generate` on the
+    repeated prompts with the same seed — with a LoRA adapter too."""
+    from peft import LoraConfig, get_peft_model
+    model, tok = tiny_policy(0, dtype=torch.float64)
+    if lora: model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    G, cfg = 4, GenerationConfig(temperature=0.9, top_p=0.9, max_new_tokens=8, num_generations=4, seed=5)
+    sp = SequenceProcessor(model, tok, cfg)
+    shapes = []
+    hook = model.get_decoder().register_forward_hook(lambda m, a, kw, out: shapes.append(tuple(kw["input_ids"].shape)),
+                                                     with_kwargs=True)
+    bs = sp.generate_batched(PROMPTS)
+    hook.remove()
+    pb, ab = sp._left_pad(sp._tokenize(PROMPTS))
+    B, P = pb.shape
+    assert shapes[0] == (B, P - 1) and all(s[0] == B * G and s[1] == 1 for s in shapes[1:]), shapes
+    torch.manual_seed(cfg.seed * 1_000_003)
+    with own_generation_config(model):
+        out = model.generate(input_ids=pb.repeat_interleave(G, 0), attention_mask=ab.repeat_interleave(G, 0),
+                             generation_config=hf_generation_config(cfg, tok, sp.eos_token_id))
+    L = out.shape[1] - P
+    assert torch.equal(bs.sequences[..., P:P + L], out[:, P:].view(B, G, L))
