@@ -23,8 +23,8 @@ __all__ = ['DEMO_PARAMETERS', 'DEMO_PHASE_SECONDS', 'EXPERIMENTS_EXTRA', 'cli_pa
 DEMO_PARAMETERS = dict(model="default", max_value=9, ops="+", teacher_hint="leaky", teacher_train_steps=10,
                        teacher_lr=3e-3, steps=11, G=8, pool_steps=15, fit_steps=4, pool_batch=8, max_new_tokens=24,
                        min_hacked=20, on_policy_prompts=4, E_total_sequences=8, B_U=2, lrs=[1e-4, 3e-5, 1e-5])
-DEMO_PHASE_SECONDS = {"Policy, task and pools": 220, "v_hack on the fit steps, and the controls": 66,  # measured:
-                      "The arms on the training loop": 215, "Entropy probe": 220}  # 2 vCPUs (bench/README.md)
+DEMO_PHASE_SECONDS = {"Policy, task and pools": 199, "v_hack on the fit steps, and the controls": 82,  # measured:
+                      "The arms on the training loop": 94, "Entropy probe": 121}  # 2 vCPUs (bench/README.md)
 
 # %% ../nbs/07c_cli.ipynb #f6e2bbaa
 class _TemplateHelp(argparse.Action):
