@@ -271,7 +271,8 @@ def test_generate_batched_reads_each_prompt_once(lora):
     from peft import LoraConfig, get_peft_model
     model, tok = tiny_policy(0, dtype=torch.float64)
     if lora: model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    G, cfg = 4, GenerationConfig(temperature=0.9, top_p=0.9, max_new_tokens=8, num_generations=4, seed=5)
+    cfg = GenerationConfig(temperature=0.9, top_p=0.9, max_new_tokens=8, num_generations=4, seed=5)
+    G = cfg.num_generations
     sp = SequenceProcessor(model, tok, cfg)
     shapes = []
     hook = model.get_decoder().register_forward_hook(lambda m, a, kw, out: shapes.append(tuple(kw["input_ids"].shape)),
