@@ -8,7 +8,10 @@ projections, lr 7e-5) or `leak` (the real-model hack bed's LoRA arms: `hackbed.R
 (gradient checkpointing on, what a TRL user has) and with gradient checkpointing off (as our loop runs a model this
 size); both draw the same prompts and, seeded alike, the same completions. Ours then runs on TRL's batches
 (`Replay`): each step generates its own completions for TRL's prompts (timed, then set aside) and trains on TRL's
-completions and rewards, so that scoring and loss do the same work in both. Each trainer runs a warm-up step then
+completions and rewards, so that scoring and loss do the same work in both. TRL's `generate` call of step k is seeded
+as our `generate_batched(seed=k)` seeds its call (`sample_seed`), so that ours draws TRL's samples wherever the two
+policies still agree token for token: the step's same-work count says in how many steps they did (the two trainers'
+LoRA inits and learning-rate schedules differ, so the weights part after step 0). Each trainer runs a warm-up step then
 --steps steps; per step:
 
 * generation: prompts to completions (ours: the rollout's `time_generate`; TRL: its `_generate`, timed: tokenising,
@@ -20,8 +23,8 @@ completions and rewards, so that scoring and loss do the same work in both. Each
 * step: the whole step.
 
 Medians over the steps, the ratio ours / TRL per phase, and completion tokens per step. Generation runs until the
-longest completion of the batch ends, and ours draws its own completions, so it also prints generation per decode step
-(decode_ms: a step's generation seconds over its longest completion, in ms). Then generation alone, interleaved:
+longest completion of the batch ends, and where the samples part so do the lengths, so it also prints generation per
+decode step (decode_ms: a step's generation seconds over its longest completion, in ms). Then generation alone, interleaved:
 our `generate_batched` and the bare transformers `generate` it and TRL call, on a recorded step's prompts with the same
 seed (so the same samples and decode steps), alternated --steps times — the one same-work figure for generation, free
 of the drift between trainer runs. Never asserts on time.
@@ -51,6 +54,17 @@ SETTINGS = dict(arith=dict(task=ArithmeticTask, prompts=4, G=4, max_new_tokens=3
                           lr=1e-3))
 
 
+def sample_seed(seed:int) -> int:
+    "The torch seed `generate_batched(seed=seed)` sets before its first (here its only) generate call."
+    return seed * 1_000_003
+
+
+def same_tokens(mine, out:torch.Tensor, P:int) -> bool:
+    "Whether our BatchedSequences drew the completions of `generate`'s [B·G, P + L] output."
+    ours_ = mine.sequences[..., int(mine.prompt_lens[0]):].flatten(0, 1)
+    return ours_.shape == out[:, P:].shape and torch.equal(ours_, out[:, P:])
+
+
 def policy(a):
     return tiny_policy(0) if a.model == "tiny" else load_policy(None, device="cpu", dtype="float32")
 
@@ -58,22 +72,24 @@ def policy(a):
 class Replay:
     "Our data source on TRL's recorded steps: our own generate on TRL's prompts (timed; its completions set aside),"
     " then TRL's completions and rewards as the rollout."
-    def __init__(self, batches, G): self.batches, self.G, self.decode_steps = batches, G, {}
+    def __init__(self, batches, G): self.batches, self.G, self.decode_steps, self.same = batches, G, {}, {}
 
     def __call__(self, step, sp, config, seed) -> Rollout:
         ids, attn, out, rewards = self.batches[step]      # [B·G, P], [B·G, P], [B·G, P + L], [B·G]
         prompts = [row[m.bool()].tolist() for row, m in zip(ids[::self.G], attn[::self.G])]
         t = time.perf_counter()
-        own = sp.generate_batched(prompts, seed=seed)
+        own = sp.generate_batched(prompts, seed=step)      # TRL's generate of this step was seeded alike
         t_gen = time.perf_counter() - t
         self.decode_steps[step] = own.sequences.shape[-1] - own.prompt_lens[0]   # the longest completion drawn
+        self.same[step] = same_tokens(own, out, ids.shape[1])
         seqs = sp._assemble(*sp._left_pad(prompts), [out[:, ids.shape[1]:]], self.G)
         r = rewards.view(len(prompts), self.G)
         return Rollout(seqs, prompts, [[{"reward": float(x)} for x in row] for row in r], r, t_gen)
 
 
-def ours(a, batches) -> tuple[dict, float]:
-    "Per-phase medians of `train`'s own step timings on TRL's batches, and completion tokens per step."
+def ours(a, batches) -> tuple[dict, float, int]:
+    "Per-phase medians of `train`'s own step timings on TRL's batches, completion tokens per step, and the number of"
+    " timed steps whose own completions were TRL's."
     model, tok = policy(a)
     gen = GenerationConfig(max_new_tokens=a.max_new_tokens, num_generations=a.G, temperature=1.0, top_p=a.top_p)
     cfg = TrainConfig(max_steps=a.steps + 1, prompts_per_step=a.prompts, lora_r=16, lora_alpha=32.0,
@@ -83,13 +99,13 @@ def ours(a, batches) -> tuple[dict, float]:
     keys = dict(generation="time_generate", scoring="time_teacher_force", loss="time_backward", step="time_step")
     out = {k: statistics.median(r[v] for r in recs) for k, v in keys.items()}
     out["decode_ms"] = statistics.median(1e3 * r["time_generate"] / replay.decode_steps[r["step"]] for r in recs)
-    return out, statistics.median(r["n_tokens"] for r in recs)
+    return out, statistics.median(r["n_tokens"] for r in recs), sum(replay.same[r["step"]] for r in recs)
 
 
 class Timer(TrainerCallback):
     "TRL's step, its generation (`_generate`: tokenising, `generate`, decoding, as our rollout's time_generate) and"
     " its no-grad log-prob passes (the rest of the step is the loss's): seconds; and each step's batch: prompt ids,"
-    " attention mask, `generate`'s output and the rewards."
+    " attention mask, `generate`'s output and the rewards. Its k-th generate call is seeded as ours at step k."
     def __init__(self, trainer):
         self.steps, self.cur, self.trainer, self.batches = [], None, trainer, []
         self._wrap(trainer, "_generate", "generation")
@@ -101,7 +117,9 @@ class Timer(TrainerCallback):
         fn = getattr(owner, name)
         def timed(*args, **kw):
             t = time.perf_counter()
-            out = fn(*args, **kw)
+            with torch.random.fork_rng(enabled=key == "batch"):
+                if key == "batch": torch.manual_seed(sample_seed(len(self.batches)))
+                out = fn(*args, **kw)
             if key == "rewards": self.batches[-1].append(out.sum(1).cpu())     # [B·G, reward functions] -> [B·G]
             elif key == "batch": self.batches.append([kw["input_ids"].cpu(), kw["attention_mask"].cpu(), out.cpu()])
             elif self.cur is not None and (key != "scoring" or not torch.is_grad_enabled()):
@@ -156,14 +174,14 @@ def generation_alone(a, batches) -> tuple[float, float, bool]:
     def timed(f):
         t = time.perf_counter(); out = f(); return out, time.perf_counter() - t
     def bare(seed):
-        torch.manual_seed(seed * 1_000_003)                  # generate_batched's seed for its first (only) call
+        torch.manual_seed(sample_seed(seed))
         with torch.no_grad(), own_generation_config(model):
             return model.generate(input_ids=ids, attention_mask=attn, generation_config=gcfg)
     for seed in range(a.steps + 1):                          # seed 0: the warm-up pair; odd seeds: bare first
         calls, got = [lambda: sp.generate_batched(prompts, seed=seed), lambda: bare(seed)], {}
         for i in ((0, 1) if seed % 2 == 0 else (1, 0)): got[i] = timed(calls[i])
         (mine, t_mine), (out, t_bare) = got[0], got[1]
-        same &= torch.equal(mine.sequences[..., mine.prompt_lens[0]:].flatten(0, 1), out[:, ids.shape[1]:])
+        same &= same_tokens(mine, out, ids.shape[1])
         if seed: times[0].append(t_mine); times[1].append(t_bare)
     return statistics.median(times[0]), statistics.median(times[1]), same
 
@@ -189,7 +207,7 @@ def main():
           "warm-up")
     (ckpt, ckpt_tok, batches), (plain, plain_tok, again) = trl(a, task, True), trl(a, task, False)
     same = all(torch.equal(x[2], y[2]) for x, y in zip(batches, again))
-    mine, mine_tok = ours(a, batches)
+    mine, mine_tok, mine_same = ours(a, batches)
     ratio = lambda x, y: f"{x / y:.2f}×" if y > 0 else "—"
     print("| phase | ours s | TRL s (default: checkpointing) | ours / TRL | TRL s, no checkpointing | ours / TRL |")
     print("|---|---|---|---|---|---|")
@@ -197,7 +215,8 @@ def main():
         print(f"| {k} | {mine[k]:.2f} | {ckpt[k]:.2f} | {ratio(mine[k], ckpt[k])} | {plain[k]:.2f} | "
               f"{ratio(mine[k], plain[k])} |")
     print(f"| completion tokens per step | {mine_tok:.0f} | {ckpt_tok:.0f} | | {plain_tok:.0f} | |")
-    print(f"# both TRL runs drew the same completions: {same}; load {os.getloadavg()[0]:.2f}")
+    print(f"# both TRL runs drew the same completions: {same}; ours drew TRL's in {mine_same} of {a.steps} steps; "
+          f"load {os.getloadavg()[0]:.2f}")
     g_mine, g_bare, g_same = generation_alone(a, batches)
     print(f"| generation alone, interleaved: ours / bare `generate` | {g_mine:.2f} | {g_bare:.2f} | "
           f"{ratio(g_mine, g_bare)} | same tokens: {g_same} | |")
