@@ -4,7 +4,7 @@
 
 # %% ../nbs/06d_phase3_run.ipynb #28d34390
 from __future__ import annotations
-import json, time
+import importlib.util, json, time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from .training import TrainConfig, train
 from .utils import TemplateConfig, check_choice, check_range, save_figure, write_json
 
 # %% auto #0
-__all__ = ['PRESETS', 'TARGETS', 'SIZE_FIELDS', 'Phase3Config', 'Phase3Run']
+__all__ = ['PRESETS', 'TARGETS', 'SIZE_FIELDS', 'ENGINES', 'Phase3Config', 'Phase3Run']
 
 # %% ../nbs/06d_phase3_run.ipynb #8852727c
 PRESETS = {
@@ -45,6 +45,7 @@ PRESETS = {
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]   # the modules the arms' adapters wrap
 SIZE_FIELDS = ("lr", "G", "prompts_per_step", "max_new_tokens", "lora_r", "beta")   # a run may set them over its preset
+ENGINES = ("package", "trl")   # the package's loop (`training.train`), TRL's GRPOTrainer (`trl_engine.train_trl`)
 
 # %% ../nbs/06d_phase3_run.ipynb #89be9c1c
 @dataclass
@@ -71,6 +72,7 @@ class Phase3Config(TemplateConfig):
     beta:float|None=None           # the KL coefficient against the reference policy
     prompts_per_microbatch:int=0   # prompts per backward (x G sequences); 0: tf_batch_size // G
     gradient_checkpointing:str="auto"  # "auto": on above 1 B parameters; True / False force it
+    engine:str="package"           # "package" (the package's loop) | "trl" (TRL's GRPOTrainer, `trl_engine`)
     out_dir:str="runs/phase3/0-vanilla"
 
     @property
@@ -90,6 +92,9 @@ def _check(self:Phase3Config):
     if not self.task: self.task = self.sizes.get("task", "arithmetic")
     if self.hint is None: self.hint = self.sizes.get("hint", True)
     check_choice("arm", self.arm, ARMS)
+    check_choice("engine", self.engine, ENGINES)
+    if self.engine == "trl" and importlib.util.find_spec("trl") is None:
+        raise ValueError("engine='trl' needs TRL: pip install 'entropy_grpo[trl]'")
     for name in ("steps", "k"): check_range(name, getattr(self, name), 1, integer=True)
     check_choice("v_hack_source", self.v_hack_source, V_HACK_SOURCES)
     check_range("prompts_per_microbatch", self.prompts_per_microbatch, 0, integer=True)
@@ -103,7 +108,7 @@ def _check(self:Phase3Config):
         raise ValueError(f"teacher_pool={self.teacher_pool!r}, base_pool={self.base_pool!r}, style_pool="
                          f"{self.style_pool!r}: expected teacher and base (and optionally style) pools, or none")
 
-
+# %% ../nbs/06d_phase3_run.ipynb #eeba2ab3
 @patch
 def _check_sizes(self:Phase3Config):
     "The size fields that are set: counts >= 1, lr > 0, beta >= 0."
@@ -125,7 +130,7 @@ class Phase3Run:
         self.task = task if task is not None else load_task(cfg.task, defaults=dict(n=s["problems"], seed=cfg.seed))
         self.gen = GenerationConfig(max_new_tokens=s["max_new_tokens"], num_generations=s["G"],
                                     gen_batch_size=s["gen_batch_size"])
-        self.callbacks, self.v_info, self.v_hack = [], {}, None
+        self.callbacks, self.v_info, self.v_hack, self.v_hack_saved = [], {}, None, None
 
     def add_arm(self):
         "The arm's adapter on the policy (δS or LoRA)."
@@ -179,14 +184,19 @@ def _load_v_hack(self:Phase3Run) -> dict:
 def _use_v_hack(self:Phase3Run, vh:VHack, ready=None):
     "v_hack saved beside the run (rank 0) and projected by the arm's callback (`ready`: as the adapter takes it)."
     if self.main: vh.save(self.out/"v_hack.safetensors")
-    self.v_hack = ready or vh
+    self.v_hack, self.v_hack_saved = ready or vh, vh
     self.callbacks.append(ProjectionArm(self.cfg.arm, self.adapter, self.v_hack))
 
 @patch
 def run_training(self:Phase3Run) -> list[dict]:
-    "The loop (resumed from the newest checkpoint in out_dir); its per-step log."
-    train(self.adapter.model, self.tok, self.task, self.train_config, out_dir=self.out, callbacks=self.callbacks,
-          resume_from="latest", progress=False, reference=self.adapter.zeroed)
+    "The loop on the run's engine (resumed from the newest checkpoint in out_dir); its per-step log."
+    if self.cfg.engine == "trl":
+        from entropy_grpo.trl_engine import train_trl
+        train_trl(self.adapter.model, self.tok, self.task, self.train_config, self.out, adapter=self.adapter,
+                  v_hack=self.v_hack_saved, project=self.cfg.arm.startswith("projected"))
+    else:
+        train(self.adapter.model, self.tok, self.task, self.train_config, out_dir=self.out, callbacks=self.callbacks,
+              resume_from="latest", progress=False, reference=self.adapter.zeroed)
     if world_size() > 1: torch.distributed.barrier()   # rank 0 has written the last log line
     self.log = [json.loads(line) for line in (self.out/"log.jsonl").read_text().splitlines()]
     return self.log[-1:]

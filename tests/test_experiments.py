@@ -1,5 +1,5 @@
 """experiments: the Phase-3 cost ceiling on synthetic hack-rate curves; sweeps through submitit's LocalExecutor
-(killed and resumed, failing jobs, the ceiling, refused directories, bad input) and the CLI."""
+(killed and resumed on either engine, failing jobs, the ceiling, refused directories, bad input) and the CLI."""
 import json, os, signal, subprocess, sys, time
 from pathlib import Path
 
@@ -22,8 +22,10 @@ def log_lines(root, run):
 
 
 @pytest.mark.slow
-def test_killed_sweep_resumes_without_redoing_or_double_counting(labelled, tmp_path):
-    params = dict(preset="smoke", teacher_pool=labelled[0], base_pool=labelled[1])
+@pytest.mark.parametrize("engine", ["package", "trl"])
+def test_killed_sweep_resumes_without_redoing_or_double_counting(labelled, tmp_path, engine):
+    if engine == "trl": pytest.importorskip("trl")
+    params = dict(preset="smoke", teacher_pool=labelled[0], base_pool=labelled[1], engine=engine)
     args = dict(template="train", seeds=SEEDS, arms=ARMS, steps=STEPS, exp="p3", out_root=str(tmp_path), params=params,
                 force=True)
     exp = tmp_path / "p3"

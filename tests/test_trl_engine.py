@@ -1,0 +1,76 @@
+"""The TRL engine (`trl_engine`) against the package's loop, the reference: one update on the same batch equal —
+TRL's GRPOTrainer draws and grades a batch (`StepBatches`), `train` takes the same batch (`Replay`), both from the same
+adapter init, plain SGD (so the update is lr × the gradient, scale included: AdamW's first step would hide a wrong
+normaliser) — for each loss normaliser and both adapter kinds; and with β > 0 over two steps (the KL term's gradient
+is zero at the reference, so the second step is the one that reads TRL's reference, the adapter zeroed, and its KL
+gradient: k3's, as `train` takes it). And a run killed between checkpoints resumes to the uninterrupted run's result."""
+import pytest
+import torch
+
+pytest.importorskip("trl")
+from transformers import TrainerCallback
+from entropy_grpo.adapters import add_delta_s, add_lora
+from entropy_grpo.checkpoints import trainable_parameters
+from entropy_grpo.policies import tiny_policy
+from entropy_grpo.tasks import DigitTask
+from entropy_grpo.train_config import TrainConfig
+from entropy_grpo.training import _read_log, train
+from entropy_grpo.trl_engine import Replay, StepBatches, latest_trl_checkpoint, train_trl, trl_trainer
+
+G = 4
+
+
+def policy(kind):
+    "The tiny policy with a fresh adapter of `kind` (the same init every call)."
+    model, tok = tiny_policy(0)
+    return model, tok, add_delta_s(model) if kind == "delta_s" else add_lora(model, r=4, seed=0)
+
+
+@pytest.mark.parametrize("kind", ["delta_s", "lora"])
+@pytest.mark.parametrize("loss_type, beta", [("dr_grpo", 0.0), ("grpo", 0.0), ("dapo", 0.0), ("dr_grpo", 0.5)])
+def test_one_update_equal_in_both_engines(tmp_path, kind, loss_type, beta):
+    steps = 2 if beta else 1
+    tc = TrainConfig(max_steps=steps, beta=beta, prompts_per_step=2, num_generations=G, optim="sgd", learning_rate=0.5,
+                     lr_scheduler_type="constant", max_grad_norm=None, loss_type=loss_type, seed=2,
+                     generation=dict(max_new_tokens=16))   # seed 2: one reply of 3 tokens, one of 15
+    model, tok, adapter = policy(kind)
+    theta0 = {n: p.detach().clone() for n, p in trainable_parameters(model).items()}
+    trainer = trl_trainer(model, tok, DigitTask(n=8), tc, tmp_path, adapter=adapter)
+    batches = StepBatches(trainer).batches
+    trainer.train()
+    ours, tok2, _ = policy(kind)
+    train(ours, tok2, None, tc, source=Replay(batches, G), progress=False)
+    lens = (batches[0]["completion_ids"] != tok.pad_token_id).sum(1)
+    assert len(batches) == steps and lens.min() < lens.max() and batches[0]["rewards"].std() > 0   # lengths and rewards vary
+    trl_new, our_new = trainable_parameters(model), trainable_parameters(ours)
+    moved = 0
+    for n, p in theta0.items():
+        d_trl, d_ours = trl_new[n].detach() - p, our_new[n].detach() - p
+        torch.testing.assert_close(d_ours, d_trl, rtol=1e-5, atol=1e-7, msg=n)   # float32 rounding
+        moved += bool(d_trl.abs().max() > 0)
+    assert moved >= len(theta0) // 2
+
+
+class Crash(TrainerCallback):
+    "Stop the run once its log has the line of optimizer step `at` (1-based) and before that step's checkpoint."
+    def __init__(self, at): self.at = at
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if state.global_step == self.at: raise KeyboardInterrupt
+
+
+def test_a_killed_run_resumes_from_its_checkpoint_to_the_uninterrupted_result(tmp_path):
+    "Stopped after step 3's log line (checkpoint 2 the newest), run again: the log is cut back to the checkpoint and"
+    " holds every step once, and the trained parameters are the uninterrupted run's — TRL's RNG and data order resumed."
+    tc = TrainConfig(max_steps=4, save_steps=2, prompts_per_step=2, num_generations=G, learning_rate=0.05, seed=1,
+                     generation=dict(max_new_tokens=8))
+    def run(out, callbacks=()):
+        model, tok, adapter = policy("delta_s")
+        return train_trl(model, tok, DigitTask(n=8), tc, out, adapter=adapter, callbacks=callbacks), model
+    with pytest.raises(KeyboardInterrupt): run(tmp_path / "killed", [Crash(3)])
+    assert [r["step"] for r in _read_log(tmp_path / "killed" / "log.jsonl")] == [0, 1, 2]
+    assert latest_trl_checkpoint(tmp_path / "killed").name == "checkpoint-2"
+    (log, resumed), (clean_log, clean) = run(tmp_path / "killed"), run(tmp_path / "clean")
+    assert [r["step"] for r in log] == [0, 1, 2, 3]
+    assert [r["reward_mean"] for r in log] == [r["reward_mean"] for r in clean_log]
+    for n, p in trainable_parameters(clean).items(): torch.testing.assert_close(trainable_parameters(resumed)[n], p)
