@@ -6,7 +6,7 @@ VENV  ?= .venv
 BIN   := $(VENV)/bin
 TORCH ?= torch==2.13.0   # the CPU build on this machine's disk; set TORCH="torch" for a CUDA build elsewhere
 
-.PHONY: setup demo test record record-calibration export-check nbtest pytest readme clean-nbs
+.PHONY: setup demo test record record-calibration record-engines export-check nbtest pytest readme clean-nbs
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -45,6 +45,11 @@ test: export-check nbtest pytest
 record-calibration: setup
 	$(BIN)/entropy-grpo calibrate --seeds 80 --out runs/calibration2/block1 -p first_seed=5000 -p phase3_seeds=80
 	$(BIN)/entropy-grpo calibrate --seeds 80 --out runs/calibration2/block2 -p first_seed=6000 -p phase3_seeds=80
+
+# Phase 3 on both engines in the world `style_hack` (runs/engines/PROTOCOL.md): 100 fresh seeds; resumes where it
+# stopped.
+record-engines: setup
+	$(BIN)/python -c "from entropy_grpo.truth import measure_engines; measure_engines('runs/engines')"
 
 # The runs of record, committed under runs/ (each command re-runs its report; finished calibration jobs are kept; ~17 h
 # of one CPU core, most of it the calibration: 720 Phase-2 runs × ~15 s, 580 Phase-3 seeds (80 in each of seven

@@ -13,12 +13,13 @@ from .calibration import (WORLDS, HackTokenTask, hack_tokens, job_results, phase
                                       world_jobs, world_pools)
 from .on_policy import on_policy_alignment
 from .phase2_run import Phase2Run
-from .phase3_run import Phase3Config, Phase3Run
-from .utils import check_choice, write_json
+from .phase3_run import ENGINES, Phase3Config, Phase3Run
+from .utils import check_choice, check_range, write_json
 
 # %% auto #0
-__all__ = ['DECOY_SEED', 'world_task', 'world_phase3', 'world_decoy', 'measure_truth', 't_interval', 'truth_summary',
-           'world_alignment', 'measure_alignment', 'alignment_summary']
+__all__ = ['DECOY_SEED', 'ENGINE_ARMS', 'world_task', 'world_phase3', 'world_decoy', 'measure_truth', 't_interval',
+           'truth_summary', 'world_alignment', 'measure_alignment', 'alignment_summary', 'engines_phase3',
+           'measure_engines', 'engine_difference', 'engines_summary']
 
 # %% ../nbs/06e_truth.ipynb #9a505e8e
 def world_task(
@@ -49,11 +50,12 @@ def _source(pools:dict, source:str) -> dict:
     if source == "pairs": return dict(v_hack=pools["v_hack"])
     return dict({k: v for k, v in pools.items() if k != "v_hack"}, v_hack_source=source)
 
-def _arm(task, pools:dict, name:str, source:str, seed:int, steps:int, k:int, work:Path) -> tuple[list, list|None]:
+def _arm(task, pools:dict, name:str, source:str, seed:int, steps:int, k:int, work:Path,
+         engine:str="package") -> tuple[list, list|None]:
     "One Phase-3 arm of a world's seed, v_hack by `source` (\"\": vanilla; `_source`): (hack-rate curve, "
     "cos_update curve or None)."
     cfg = Phase3Config(seed=seed, arm="projected" if source else "vanilla", steps=steps, preset="truth", k=k,
-                       out_dir=str(work/name), **(_source(pools, source) if source else {}))
+                       out_dir=str(work/name), engine=engine, **(_source(pools, source) if source else {}))
     run = Phase3Run(cfg, task)
     run.add_arm(); run.fit_v_hack(); run.run_training()
     return run.curve("hack_rate"), run.curve("cos_update") if source else None   # what AdamW's step kept
@@ -204,3 +206,56 @@ def alignment_summary(out_dir:str|Path) -> dict:
     res = dict(worlds=worlds, n_both=len(both), effect_spearman=rho("effect"), specific_spearman=rho("specific"))
     write_json(out/"alignment.json", res)
     return res
+
+# %% ../nbs/06e_truth.ipynb #b6fc26ff
+ENGINE_ARMS = (("vanilla", ""), ("projected", "pairs"))   # (arm, v_hack source) run on each engine
+
+def engines_phase3(world:str, seed:int, work_dir:str|Path, steps:int=40, k:int=1, parameters:dict|None=None) -> dict:
+    "One seed of a world on both engines: the pools and Phase 2's v_hack once, then the vanilla and the projected arm"
+    " on each engine (world, seed, curves and mean hack rate per `engine/arm`)."
+    work, t0 = Path(work_dir)/f"{world}-{seed}-engines", time.perf_counter()
+    try:
+        task, pools = world_task(world, seed, work, dict(parameters or {}, k=k))
+        curves = {f"{e}/{a}": _arm(task, pools, f"{e}-{a}", src, seed, steps, k, work, e)[0]
+                  for e in ENGINES for a, src in ENGINE_ARMS}
+        return dict(world=world, seed=seed, steps=steps, k=k, curves=curves,
+                    means={key: float(np.mean(c)) for key, c in curves.items()}, seconds=time.perf_counter() - t0)
+    finally: shutil.rmtree(work, ignore_errors=True)
+
+def measure_engines(
+    out_dir:str|Path,          # engines/<world>-<seed>.json go here
+    world:str="style_hack",
+    seeds:int=100,
+    first_seed:int=7000,
+    steps:int=40, k:int=1, parameters:dict|None=None, progress:bool|None=None,
+    margin:float=0.05,         # the smallest difference between the engines that counts, in hack rate
+)->dict:                       # engines_summary(out_dir, margin)
+    "Both engines over seeds of one world (finished seeds kept, not redone); their differences with intervals."
+    world_jobs(Path(out_dir)/"engines", [world], seeds, first_seed,
+               lambda w, s, work: engines_phase3(w, s, work, steps, k, parameters),
+               dict(steps=steps, k=k, parameters=parameters or {}), "phase 3 on both engines", progress)
+    return engines_summary(out_dir, margin)
+
+# %% ../nbs/06e_truth.ipynb #78056a15
+def engine_difference(d:list[float], margin:float) -> dict:
+    "Mean and 95% t-interval of per-seed differences, labelled `same` (inside ±margin), `differs` (off 0) or"
+    " `undetermined`."
+    lo, hi = t_interval(d)
+    label = "same" if -margin < lo and hi < margin else "differs" if lo > 0 or hi < 0 else "undetermined"
+    return dict(mean=float(np.mean(d)), interval=(lo, hi), label=label)
+
+def engines_summary(out_dir:str|Path, margin:float=0.05) -> dict:
+    "Per world, TRL − package paired by seed for each arm's mean hack rate and for the effect (vanilla − projected)"
+    " (`engine_difference`), and the mean curve of each engine/arm (engines.json)."
+    check_range("margin", margin, 0, lo_open=True)
+    runs, out = job_results(Path(out_dir)/"engines"), {}
+    effect = lambda m, e: m[f"{e}/vanilla"] - m[f"{e}/projected"]
+    for w in sorted({r["world"] for r in runs}):
+        rs = [r for r in runs if r["world"] == w]
+        diffs = {a: [r["means"][f"trl/{a}"] - r["means"][f"package/{a}"] for r in rs] for a, _ in ENGINE_ARMS}
+        diffs["effect"] = [effect(r["means"], "trl") - effect(r["means"], "package") for r in rs]
+        curves = {key: np.mean([r["curves"][key] for r in rs], axis=0).round(4).tolist() for key in rs[0]["curves"]}
+        out[w] = dict(n=len(rs), margin=margin, curves=curves,
+                      **{key: engine_difference(d, margin) for key, d in diffs.items()})
+    write_json(Path(out_dir)/"engines.json", out)
+    return out

@@ -3,12 +3,18 @@ TRL's GRPOTrainer draws and grades a batch (`StepBatches`), `train` takes the sa
 adapter init, plain SGD (so the update is lr × the gradient, scale included: AdamW's first step would hide a wrong
 normaliser) — for each loss normaliser and both adapter kinds; and with β > 0 over two steps (the KL term's gradient
 is zero at the reference, so the second step is the one that reads TRL's reference, the adapter zeroed, and its KL
-gradient: k3's, as `train` takes it). And a run killed between checkpoints resumes to the uninterrupted run's result."""
+gradient: k3's, as `train` takes it). A run killed between checkpoints resumes to the uninterrupted run's result, and
+two processes (gloo) take the update one process takes on their joined batch."""
+import os
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("trl")
 from transformers import TrainerCallback
+from gloo import gloo_group, spawn_two
+
 from entropy_grpo.adapters import add_delta_s, add_lora
 from entropy_grpo.checkpoints import trainable_parameters
 from entropy_grpo.policies import tiny_policy
@@ -26,13 +32,18 @@ def policy(kind):
     return model, tok, add_delta_s(model) if kind == "delta_s" else add_lora(model, r=4, seed=0)
 
 
+def _sgd(steps, beta, loss_type) -> TrainConfig:
+    "Two prompts × G 4 a step, plain SGD at a constant lr 0.5, no clipping; seed 2: one reply of 3 tokens, one of 15."
+    return TrainConfig(max_steps=steps, beta=beta, prompts_per_step=2, num_generations=G, optim="sgd",
+                       learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=None, loss_type=loss_type, seed=2,
+                       generation=dict(max_new_tokens=16))
+
+
 @pytest.mark.parametrize("kind", ["delta_s", "lora"])
 @pytest.mark.parametrize("loss_type, beta", [("dr_grpo", 0.0), ("grpo", 0.0), ("dapo", 0.0), ("dr_grpo", 0.5)])
 def test_one_update_equal_in_both_engines(tmp_path, kind, loss_type, beta):
     steps = 2 if beta else 1
-    tc = TrainConfig(max_steps=steps, beta=beta, prompts_per_step=2, num_generations=G, optim="sgd", learning_rate=0.5,
-                     lr_scheduler_type="constant", max_grad_norm=None, loss_type=loss_type, seed=2,
-                     generation=dict(max_new_tokens=16))   # seed 2: one reply of 3 tokens, one of 15
+    tc = _sgd(steps, beta, loss_type)
     model, tok, adapter = policy(kind)
     theta0 = {n: p.detach().clone() for n, p in trainable_parameters(model).items()}
     trainer = trl_trainer(model, tok, DigitTask(n=8), tc, tmp_path, adapter=adapter)
@@ -41,7 +52,7 @@ def test_one_update_equal_in_both_engines(tmp_path, kind, loss_type, beta):
     ours, tok2, _ = policy(kind)
     train(ours, tok2, None, tc, source=Replay(batches, G), progress=False)
     lens = (batches[0]["completion_ids"] != tok.pad_token_id).sum(1)
-    assert len(batches) == steps and lens.min() < lens.max() and batches[0]["rewards"].std() > 0   # lengths and rewards vary
+    assert len(batches) == steps and lens.min() < lens.max() and batches[0]["rewards"].std() > 0   # both vary
     trl_new, our_new = trainable_parameters(model), trainable_parameters(ours)
     moved = 0
     for n, p in theta0.items():
@@ -61,7 +72,7 @@ class Crash(TrainerCallback):
 
 def test_a_killed_run_resumes_from_its_checkpoint_to_the_uninterrupted_result(tmp_path):
     "Stopped after step 3's log line (checkpoint 2 the newest), run again: the log is cut back to the checkpoint and"
-    " holds every step once, and the trained parameters are the uninterrupted run's — TRL's RNG and data order resumed."
+    " holds every step once, and the trained parameters are the uninterrupted run's: TRL's RNG and data order resumed."
     tc = TrainConfig(max_steps=4, save_steps=2, prompts_per_step=2, num_generations=G, learning_rate=0.05, seed=1,
                      generation=dict(max_new_tokens=8))
     def run(out, callbacks=()):
@@ -74,3 +85,37 @@ def test_a_killed_run_resumes_from_its_checkpoint_to_the_uninterrupted_result(tm
     assert [r["step"] for r in log] == [0, 1, 2, 3]
     assert [r["reward_mean"] for r in log] == [r["reward_mean"] for r in clean_log]
     for n, p in trainable_parameters(clean).items(): torch.testing.assert_close(trainable_parameters(resumed)[n], p)
+
+
+def _two_process_worker(rank, world, port, out):
+    "One rank of a two-process TRL run (torchrun's variables, as a `--gpus 2` job's tasks have them): one SGD step."
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    with gloo_group(rank, world, port):
+        model, tok, adapter = policy("delta_s")
+        trainer = trl_trainer(model, tok, DigitTask(n=8), _sgd(1, 0.0, "dr_grpo"), out, adapter=adapter)
+        batches = StepBatches(trainer).batches
+        trainer.train()
+        torch.save(dict(batch=batches[0], params={n: p.detach() for n, p in trainable_parameters(model).items()}),
+                   os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_two_processes_take_the_one_process_update_of_their_joined_batch(tmp_path):
+    "Two TRL processes (gloo, accelerate's DDP) end with the same parameters, and their update is `train`'s in one"
+    " process on both ranks' rows joined: each rank's loss over its share, averaged by DDP, is the global Dr.GRPO loss."
+    spawn_two(_two_process_worker, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for n, p in ranks[0]["params"].items(): assert torch.equal(p, ranks[1]["params"][n]), n
+    b0, b1 = ranks[0]["batch"], ranks[1]["batch"]
+    assert len(b0["rewards"]) == len(b1["rewards"]) == G                      # one prompt's group on each rank
+    pad = tiny_policy(0)[1].pad_token_id
+    L = max(b["completion_ids"].shape[1] for b in (b0, b1))
+    joined = dict(prompt_ids=[*b0["prompt_ids"], *b1["prompt_ids"]],
+                  prompt_mask=[*b0["prompt_mask"], *b1["prompt_mask"]],
+                  completion_ids=torch.cat([F.pad(b["completion_ids"], (0, L - b["completion_ids"].shape[1]), value=pad)
+                                            for b in (b0, b1)]),
+                  rewards=torch.cat([b0["rewards"], b1["rewards"]]))
+    model, tok, _ = policy("delta_s")
+    theta0 = {n: p.detach().clone() for n, p in trainable_parameters(model).items()}
+    train(model, tok, None, _sgd(1, 0.0, "dr_grpo"), source=Replay([joined], G), progress=False)
+    for n, p in trainable_parameters(model).items():
+        torch.testing.assert_close(p.detach() - theta0[n], ranks[0]["params"][n] - theta0[n], rtol=1e-5, atol=1e-7)
