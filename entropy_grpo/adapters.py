@@ -272,6 +272,12 @@ def zeroed(self:LoraAdapter):
     finally:
         for m in layers: m.enable_adapters(True)
 
+@patch
+def merged_weight(self:LoraAdapter, name:str) -> Tensor:
+    "W + α/r·B·A of one module (what a sampler that knows no LoRA must hold)."
+    m = self.model.get_submodule(name)
+    return m.base_layer.weight + m.get_delta_weight(self.adapter_name)
+
 # %% ../nbs/05a_adapters.ipynb #ccc9bd7e
 def add_lora(
     model:nn.Module,

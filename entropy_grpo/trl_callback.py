@@ -29,7 +29,7 @@ from .utils import base_optimizer, check_choice, check_range
 
 # %% auto #0
 __all__ = ['MIRRORED', 'NEUTRAL', 'LOGGED', 'TRAINER_EVENTS', 'ProbeConfig', 'sampling_config', 'trl_eos_ids', 'GenerateEntropy',
-           'LossWeights', 'GRPOProbe', 'add_grpo_probe']
+           'LossWeights', 'GRPOProbe', 'add_grpo_probe', 'with_every_event']
 
 # %% ../nbs/08_trl_callback.ipynb #6733336e
 @dataclass
@@ -377,12 +377,18 @@ def on_step_end(self:GRPOProbe, args, state, control, **kw):
     self.history.append(out)
     self._log({k: out[k] for k in LOGGED})
 
+# %% ../nbs/08_trl_callback.ipynb #3f8590a4
 TRAINER_EVENTS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
                   "on_pre_optimizer_step", "on_optimizer_step", "on_substep_end", "on_step_end", "on_evaluate",
                   "on_predict", "on_save", "on_log", "on_prediction_step", "on_push_begin")   # TrainerCallback's
 
 def _unused_event(self, args, state, control, **kwargs):
-    "A transformers callback event GRPOProbe does not use."
+    "A transformers callback event the class does not use."
 
-for _event in TRAINER_EVENTS:
-    if not hasattr(GRPOProbe, _event): setattr(GRPOProbe, _event, _unused_event)
+def with_every_event(cls):
+    "`cls` made a transformers callback without importing transformers' trainer: each event it lacks, a no-op."
+    for event in TRAINER_EVENTS:
+        if not hasattr(cls, event): setattr(cls, event, _unused_event)
+    return cls
+
+with_every_event(GRPOProbe)

@@ -4,24 +4,23 @@
 
 # %% auto #0
 __all__ = ['SAME_NAMES', 'ADAPTER_FILE', 'RENAMED', 'check_for_trl', 'grpo_config', 'trained_only_checkpoints',
-           'latest_trl_checkpoint', 'ZeroedReference', 'ClipAfterArm', 'StepLog', 'reward_keys', 'trl_trainer',
-           'train_trl', 'StepBatches', 'Replay']
+           'latest_trl_checkpoint', 'ZeroedReference', 'merged_named_weights', 'with_adapter', 'ClipAfterArm',
+           'StepLog', 'reward_keys', 'trl_trainer', 'train_trl', 'StepBatches', 'Replay']
 
 # %% ../nbs/08b_trl_engine.ipynb #b01557ed
-import math, os, types
+import importlib.util, math, os, types
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import PrinterCallback, TrainerCallback
 
 from .checkpoints import trainable_parameters
 from .dist import world_size
 from .policies import wants_checkpointing
 from .train_config import TrainConfig
 from .training import FLAGS, Rollout, _prepare_out_dir, _read_log, _write_log
-from .trl_callback import ProbeConfig, add_grpo_probe
+from .trl_callback import ProbeConfig, add_grpo_probe, with_every_event
 from .utils import quiet_checkpointing_name
 
 if TYPE_CHECKING: from trl import GRPOConfig, GRPOTrainer   # imported where used: TRL stays optional
@@ -59,7 +58,8 @@ def grpo_config(
         output_dir=str(output_dir), per_device_train_batch_size=check_for_trl(config), gradient_accumulation_steps=1,
         max_completion_length=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
         max_grad_norm=0.0, logging_steps=1, save_strategy="steps", save_steps=config.save_steps or config.max_steps,
-        use_cpu=not torch.cuda.is_available(), bf16=False, disable_tqdm=True, shuffle_dataset=True)
+        use_cpu=not torch.cuda.is_available(), bf16=False, disable_tqdm=True, shuffle_dataset=True,
+        use_vllm=torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None)
     fields = GRPOConfig.__dataclass_fields__
     if "use_bias_correction_kl" in fields: kw["use_bias_correction_kl"] = False           # TRL 1.16's KL gradient
     kw["activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"] = checkpointing
@@ -106,8 +106,30 @@ class ZeroedReference(torch.nn.Module):
     def forward(self, *args, **kw):
         with torch.no_grad(), self.adapter.zeroed(): return self.adapter.model(*args, **kw)
 
+# %% ../nbs/08b_trl_engine.ipynb #c6f8714c
+def merged_named_weights(adapter):
+    "(name, tensor) for every weight of the policy under the base model's names, each adapted Linear's weight merged"
+    " (`merged_weight`, in its dtype): the weights a sampler that knows no adapter must hold. The adapter's own"
+    " parameters are not among them."
+    trained = {id(p) for p in adapter.parameters()}
+    with torch.no_grad():
+        for n, p in adapter.model.named_parameters():
+            if id(p) in trained: continue
+            name = n.replace(".base_layer", "")
+            module = name.removesuffix(".weight")
+            yield name, adapter.merged_weight(module).to(p.dtype) if module in adapter.names else p.data
+
+def with_adapter(trainer, beta:float, adapter):
+    "`trainer` (built at β 0) given the adapter's parts: the merged weights vLLM syncs, by base name, and for β > 0"
+    " the adapter zeroed as the reference policy (no second model)."
+    if getattr(trainer, "use_vllm", False) and adapter is not None:
+        trainer.vllm_generation._iter_named_params = lambda: merged_named_weights(adapter)
+    if beta: trainer.beta, trainer.ref_model = beta, ZeroedReference(adapter)
+    return trainer
+
 # %% ../nbs/08b_trl_engine.ipynb #d69d1448
-class ClipAfterArm(TrainerCallback):
+@with_every_event
+class ClipAfterArm:
     "Clip the gradient the arm left (registered after `GRPOProbe`, whose projection runs on the same event) to"
     " max_grad_norm, as `train` clips after its arm; log the norm as grad_norm; refuse a non-finite one."
     def __init__(self, trainer, max_grad_norm:float|None, prefix:str="entropy_grpo/"):
@@ -126,7 +148,8 @@ RENAMED = {"reward": "reward_mean", "reward_std": "reward_std", "frac_reward_zer
            "entropy": "entropy_full", "completions/mean_length": "completion_len", "learning_rate": "lr",
            **{f"rewards/{k}/mean": v for k, v in FLAGS.items()}}   # TRL's log keys -> `train`'s
 
-class StepLog(TrainerCallback):
+@with_every_event
+class StepLog:
     "log.jsonl in `train`'s names, one line per optimizer step from TRL's log of it (the main process writes)."
     def __init__(self, out_dir:str|Path, arm:str, prefix:str="entropy_grpo/"):
         self.logf, self.arm, self.prefix = Path(out_dir)/"log.jsonl", arm, prefix
@@ -159,6 +182,7 @@ def trl_trainer(
 )->"GRPOTrainer":
     "A GRPOTrainer running `config`'s step on `task`, wired as `train_trl` runs it: GRPOProbe (entropy_rb, and v_hack's"
     " alignment or projection), ClipAfterArm, StepLog."
+    from transformers import PrinterCallback
     from trl import GRPOTrainer
     if config.beta and adapter is None: raise ValueError(f"beta={config.beta}: the reference policy is the adapter "
                                                          "zeroed; pass the adapter")
@@ -169,8 +193,7 @@ def trl_trainer(
     with quiet_checkpointing_name():
         tr = GRPOTrainer(model=model, reward_funcs=task.trl_rewards(keys), args=args, processing_class=tokenizer,
                          train_dataset=task.trl_dataset(tokenizer, config.hint))
-    trained_only_checkpoints(tr)
-    if config.beta: tr.beta, tr.ref_model = config.beta, ZeroedReference(adapter)   # built at β 0: no second model
+    with_adapter(trained_only_checkpoints(tr), config.beta, adapter)
     tr.remove_callback(PrinterCallback)
     add_grpo_probe(tr, ProbeConfig(every=0, project=project, covariance=False), v_hack=v_hack, adapter=adapter)
     for cb in (ClipAfterArm(tr, config.max_grad_norm), StepLog(out_dir, config.arm), *callbacks): tr.add_callback(cb)

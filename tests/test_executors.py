@@ -73,6 +73,8 @@ def test_cli_dry_run_shows_the_sbatch_script_with_requeue_and_one_task_per_gpu(t
     out = capsys.readouterr().out
     assert {"#SBATCH --gpus-per-node=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --nodes=1"} <= set(out.splitlines())
     assert "srun --unbuffered" in out and "--kill-on-bad-exit=1" in out and "requeue: on Slurm's time limit" in out
+    assert main(args + ["--gpus", "2", "-p", "engine='trl'"]) == 0          # TRL's engine: the same task per GPU
+    assert {"#SBATCH --gpus-per-node=2", "#SBATCH --ntasks-per-node=2"} <= set(capsys.readouterr().out.splitlines())
     phase2 = ["sweep", "--template", "phase2", "--exp", "p2", "--seeds", "0", "--arms", "vanilla", "--dry-run",
               "--executor", "slurm", "--gpus", "2"]
     assert main(phase2) == 2

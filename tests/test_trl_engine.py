@@ -4,7 +4,8 @@ adapter init, plain SGD (so the update is lr × the gradient, scale included: Ad
 normaliser) — for each loss normaliser and both adapter kinds; and with β > 0 over two steps (the KL term's gradient
 is zero at the reference, so the second step is the one that reads TRL's reference, the adapter zeroed, and its KL
 gradient: k3's, as `train` takes it). A run killed between checkpoints resumes to the uninterrupted run's result, and
-two processes (gloo) take the update one process takes on their joined batch."""
+two processes (gloo) take the update one process takes on their joined batch. What vLLM is given is the adapted
+policy, merged; on a GPU with vLLM, it samples from the policy being trained."""
 import os
 
 import pytest
@@ -21,7 +22,8 @@ from entropy_grpo.policies import tiny_policy
 from entropy_grpo.tasks import DigitTask
 from entropy_grpo.train_config import TrainConfig
 from entropy_grpo.training import _read_log, train
-from entropy_grpo.trl_engine import Replay, StepBatches, latest_trl_checkpoint, train_trl, trl_trainer
+from entropy_grpo.trl_engine import (Replay, StepBatches, latest_trl_checkpoint, merged_named_weights, train_trl,
+                                      trl_trainer)
 
 G = 4
 
@@ -119,3 +121,38 @@ def test_two_processes_take_the_one_process_update_of_their_joined_batch(tmp_pat
     train(model, tok, None, _sgd(1, 0.0, "dr_grpo"), source=Replay([joined], G), progress=False)
     for n, p in trainable_parameters(model).items():
         torch.testing.assert_close(p.detach() - theta0[n], ranks[0]["params"][n] - theta0[n], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["delta_s", "lora"])
+def test_merged_weights_are_the_adapted_policy(kind):
+    "What vLLM is given (`merged_named_weights`): every weight of the plain model, by its name; loaded into one, the"
+    " adapted policy's logits."
+    model, tok, adapter = policy(kind)
+    with torch.no_grad():
+        for p in adapter.parameters(): p.normal_(0, 0.05)
+    plain, _ = tiny_policy(0)
+    merged = dict(merged_named_weights(adapter))
+    assert set(merged) == {n for n, _ in plain.named_parameters()}
+    plain.load_state_dict(merged, strict=False)
+    x = torch.tensor([tok("Question: What is 12 + 7? Answer: 19")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x).logits, model(x).logits, rtol=1e-4, atol=1e-5)
+        with adapter.zeroed(): assert (plain(x).logits - model(x).logits).abs().max() > 1e-3   # the adapter counts
+
+
+@pytest.mark.cuda
+def test_vllm_samples_from_the_policy_being_trained(tmp_path):
+    "On a GPU with vLLM (not yet run: no device with vLLM has been lent). The δS arm at a large lr moves the policy"
+    " every step; vLLM samples from the merged weights TRL syncs before each step, so its log q of what it sampled"
+    " stays as close to the trained policy's (TRL's sampling_logp_difference) as at step 0, where the two are one"
+    " model; a stale sampler would drift with the policy."
+    pytest.importorskip("vllm")
+    from entropy_grpo.policies import load_policy
+    model, tok = load_policy(None, dtype="bfloat16")
+    adapter = add_delta_s(model)
+    tc = TrainConfig(max_steps=4, prompts_per_step=4, num_generations=4, learning_rate=0.05,
+                     generation=dict(max_new_tokens=16))
+    log = train_trl(model, tok, DigitTask(n=16), tc, tmp_path, adapter=adapter, vllm_gpu_memory_utilization=0.3)
+    diff = [r["sampling/sampling_logp_difference/mean"] for r in log]
+    assert len(diff) == 4 and max(diff[1:]) < 2 * diff[0] + 0.02, diff
+    assert "entropy_rb" not in log[-1]                                       # its logits stay in vLLM
