@@ -7,12 +7,12 @@ projections, lr 7e-5) or `leak` (the real-model hack bed's LoRA arms: `hackbed.R
 4 prompts × G 8, 24 new tokens, top_p 1, LoRA on q/k/v/o, lr 1e-3). TRL runs first, twice: with its own defaults
 (gradient checkpointing on, what a TRL user has) and with gradient checkpointing off (as our loop runs a model this
 size); both draw the same prompts and, seeded alike, the same completions. Ours then runs on TRL's batches
-(`Replay`): each step generates its own completions for TRL's prompts (timed, then set aside) and trains on TRL's
-completions and rewards, so that scoring and loss do the same work in both. TRL's `generate` call of step k is seeded
-as our `generate_batched(seed=k)` seeds its call (`sample_seed`), so that ours draws TRL's samples wherever the two
-policies still agree token for token: the step's same-work count says in how many steps they did (the two trainers'
-LoRA inits and learning-rate schedules differ, so the weights part after step 0). Each trainer runs a warm-up step then
---steps steps; per step:
+(`trl_engine.StepBatches` records them, a `trl_engine.Replay` hands them to `train`): each step generates its own
+completions for TRL's prompts (timed, then set aside) and trains on TRL's completions and rewards, so that scoring
+and loss do the same work in both. TRL's `generate` call of step k is seeded as our `generate_batched(seed=k)` seeds
+its call (`sample_seed`), so that ours draws TRL's samples wherever the two policies still agree token for token: the
+step's same-work count says in how many steps they did (the two trainers' LoRA inits and learning-rate schedules
+differ, so the weights part after step 0). Each trainer runs a warm-up step then --steps steps; per step:
 
 * generation: prompts to completions (ours: the rollout's `time_generate`; TRL: its `_generate`, timed: tokenising,
   `generate` and decoding in both);
@@ -24,10 +24,10 @@ LoRA inits and learning-rate schedules differ, so the weights part after step 0)
 
 Medians over the steps, the ratio ours / TRL per phase, and completion tokens per step. Generation runs until the
 longest completion of the batch ends, and where the samples part so do the lengths, so it also prints generation per
-decode step (decode_ms: a step's generation seconds over its longest completion, in ms). Then generation alone, interleaved:
-our `generate_batched` and the bare transformers `generate` it and TRL call, on a recorded step's prompts with the same
-seed (so the same samples and decode steps), alternated --steps times — the one same-work figure for generation, free
-of the drift between trainer runs. Never asserts on time.
+decode step (decode_ms: a step's generation seconds over its longest completion, in ms). Then generation alone,
+interleaved: our `generate_batched` and the bare transformers `generate` it and TRL call, on a recorded step's
+prompts with the same seed (so the same samples and decode steps), alternated --steps times — a same-work figure for
+generation free of the drift between trainer runs. Never asserts on time.
 
     python bench/bench_step_vs_trl.py [--setting arith|leak] [--model default|tiny] [--threads 1] [--steps 3]
                                       [--prompts N] [--G N] [--max-new-tokens N]
@@ -44,7 +44,8 @@ from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor,
     own_generation_config
 from entropy_grpo.hackbed import ReferenceLeakTask
 from entropy_grpo.tasks import ArithmeticTask
-from entropy_grpo.training import Rollout, TrainConfig, train
+from entropy_grpo.training import TrainConfig, train
+from entropy_grpo.trl_engine import Replay, StepBatches
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 PHASES = ("generation", "scoring", "loss", "step")
@@ -59,32 +60,34 @@ def sample_seed(seed:int) -> int:
     return seed * 1_000_003
 
 
-def same_tokens(mine, out:torch.Tensor, P:int) -> bool:
-    "Whether our BatchedSequences drew the completions of `generate`'s [B·G, P + L] output."
+def same_tokens(mine, completions:torch.Tensor) -> bool:
+    "Whether our BatchedSequences drew these [B·G, L] completions (TRL's, or the bare `generate`'s)."
     ours_ = mine.sequences[..., int(mine.prompt_lens[0]):].flatten(0, 1)
-    return ours_.shape == out[:, P:].shape and torch.equal(ours_, out[:, P:])
+    return ours_.shape == completions.shape and torch.equal(ours_, completions)
+
+
+def prompts_of(batch:dict, G:int) -> list[list[int]]:
+    "A recorded step's prompts as token-id lists (one per group)."
+    return [row[m.bool()].tolist() for row, m in zip(batch["prompt_ids"][::G], batch["prompt_mask"][::G])]
 
 
 def policy(a):
     return tiny_policy(0) if a.model == "tiny" else load_policy(None, device="cpu", dtype="float32")
 
 
-class Replay:
-    "Our data source on TRL's recorded steps: our own generate on TRL's prompts (timed; its completions set aside),"
-    " then TRL's completions and rewards as the rollout."
-    def __init__(self, batches, G): self.batches, self.G, self.decode_steps, self.same = batches, G, {}, {}
+class TimedReplay(Replay):
+    "`trl_engine.Replay` (TRL's completions and rewards as the rollout), each step first generating its own"
+    " completions for TRL's prompts, timed and set aside."
+    def __init__(self, batches, G): super().__init__(batches, G); self.decode_steps, self.same = {}, {}
 
-    def __call__(self, step, sp, config, seed) -> Rollout:
-        ids, attn, out, rewards = self.batches[step]      # [B·G, P], [B·G, P], [B·G, P + L], [B·G]
-        prompts = [row[m.bool()].tolist() for row, m in zip(ids[::self.G], attn[::self.G])]
-        t = time.perf_counter()
-        own = sp.generate_batched(prompts, seed=step)      # TRL's generate of this step was seeded alike
-        t_gen = time.perf_counter() - t
+    def __call__(self, step, sp, config, seed):
+        b, t = self.batches[step], time.perf_counter()
+        own = sp.generate_batched(prompts_of(b, self.G), seed=step)      # TRL's generate of this step was seeded alike
+        t_gen, rollout = time.perf_counter() - t, super().__call__(step, sp, config, seed)
+        rollout.time_generate = t_gen
         self.decode_steps[step] = own.sequences.shape[-1] - own.prompt_lens[0]   # the longest completion drawn
-        self.same[step] = same_tokens(own, out, ids.shape[1])
-        seqs = sp._assemble(*sp._left_pad(prompts), [out[:, ids.shape[1]:]], self.G)
-        r = rewards.view(len(prompts), self.G)
-        return Rollout(seqs, prompts, [[{"reward": float(x)} for x in row] for row in r], r, t_gen)
+        self.same[step] = same_tokens(own, b["completion_ids"])
+        return rollout
 
 
 def ours(a, batches) -> tuple[dict, float, int]:
@@ -94,7 +97,7 @@ def ours(a, batches) -> tuple[dict, float, int]:
     gen = GenerationConfig(max_new_tokens=a.max_new_tokens, num_generations=a.G, temperature=1.0, top_p=a.top_p)
     cfg = TrainConfig(max_steps=a.steps + 1, prompts_per_step=a.prompts, lora_r=16, lora_alpha=32.0,
                       lora_target_modules=a.targets, generation=gen, loss_type="dr_grpo", learning_rate=a.lr, seed=0)
-    replay = Replay(batches, a.G)
+    replay = TimedReplay(batches, a.G)
     recs = train(model, tok, None, cfg, source=replay, progress=False).records[1:]
     keys = dict(generation="time_generate", scoring="time_teacher_force", loss="time_backward", step="time_step")
     out = {k: statistics.median(r[v] for r in recs) for k, v in keys.items()}
@@ -104,25 +107,22 @@ def ours(a, batches) -> tuple[dict, float, int]:
 
 class Timer(TrainerCallback):
     "TRL's step, its generation (`_generate`: tokenising, `generate`, decoding, as our rollout's time_generate) and"
-    " its no-grad log-prob passes (the rest of the step is the loss's): seconds; and each step's batch: prompt ids,"
-    " attention mask, `generate`'s output and the rewards. Its k-th generate call is seeded as ours at step k."
+    " its no-grad log-prob passes (the rest of the step is the loss's): seconds. Its k-th `generate` call is seeded"
+    " as ours at step k."
     def __init__(self, trainer):
-        self.steps, self.cur, self.trainer, self.batches = [], None, trainer, []
+        self.steps, self.cur, self.calls = [], None, 0
         self._wrap(trainer, "_generate", "generation")
         self._wrap(trainer, "_get_per_token_logps_and_entropies", "scoring")
-        self._wrap(trainer.model, "generate", "batch")
-        self._wrap(trainer, "_calculate_rewards", "rewards")
+        self._wrap(trainer.model, "generate", "sampling")
 
     def _wrap(self, owner, name, key):
         fn = getattr(owner, name)
         def timed(*args, **kw):
             t = time.perf_counter()
-            with torch.random.fork_rng(enabled=key == "batch"):
-                if key == "batch": torch.manual_seed(sample_seed(len(self.batches)))
+            with torch.random.fork_rng(enabled=key == "sampling"):
+                if key == "sampling": torch.manual_seed(sample_seed(self.calls)); self.calls += 1
                 out = fn(*args, **kw)
-            if key == "rewards": self.batches[-1].append(out.sum(1).cpu())     # [B·G, reward functions] -> [B·G]
-            elif key == "batch": self.batches.append([kw["input_ids"].cpu(), kw["attention_mask"].cpu(), out.cpu()])
-            elif self.cur is not None and (key != "scoring" or not torch.is_grad_enabled()):
+            if key != "sampling" and self.cur is not None and (key != "scoring" or not torch.is_grad_enabled()):
                 self.cur[key] += time.perf_counter() - t
             return out
         setattr(owner, name, timed)
@@ -148,16 +148,16 @@ def trl(a, task, checkpointing:bool) -> tuple[dict, float, list]:
                      train_dataset=task.trl_dataset(tok),
                      peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=a.targets))
     tr.remove_callback(PrinterCallback)
-    timer = Timer(tr)
+    timer, batches = Timer(tr), StepBatches(tr).batches
     tr.add_callback(timer)
     tr.train()
     steps = timer.steps[1:]
     tokens = [r["completions/mean_length"] * a.prompts * a.G for r in tr.state.log_history
               if "completions/mean_length" in r][1:]
     out = {k: statistics.median(s[k] for s in steps) for k in PHASES}
-    widths = [b[2].shape[1] - b[0].shape[1] for b in timer.batches[1:]]      # decode steps of each timed step
+    widths = [b["completion_ids"].shape[1] for b in batches[1:]]      # decode steps of each timed step
     out["decode_ms"] = statistics.median(1e3 * s["generation"] / w for s, w in zip(steps, widths))
-    return out, statistics.median(tokens), timer.batches
+    return out, statistics.median(tokens), batches
 
 
 def generation_alone(a, batches) -> tuple[float, float, bool]:
@@ -168,8 +168,7 @@ def generation_alone(a, batches) -> tuple[float, float, bool]:
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=a.targets)).eval()
     sp = SequenceProcessor(model, tok, GenerationConfig(max_new_tokens=a.max_new_tokens, num_generations=a.G,
                                                         temperature=1.0, top_p=a.top_p), progress=False)
-    ids, attn = batches[1][:2]
-    prompts = [row[m.bool()].tolist() for row, m in zip(ids[::a.G], attn[::a.G])]
+    ids, attn, prompts = batches[1]["prompt_ids"], batches[1]["prompt_mask"], prompts_of(batches[1], a.G)
     gcfg, times, same = hf_generation_config(sp.config, tok, sp.eos_token_id), ([], []), True
     def timed(f):
         t = time.perf_counter(); out = f(); return out, time.perf_counter() - t
@@ -181,7 +180,7 @@ def generation_alone(a, batches) -> tuple[float, float, bool]:
         calls, got = [lambda: sp.generate_batched(prompts, seed=seed), lambda: bare(seed)], {}
         for i in ((0, 1) if seed % 2 == 0 else (1, 0)): got[i] = timed(calls[i])
         (mine, t_mine), (out, t_bare) = got[0], got[1]
-        same &= same_tokens(mine, out, ids.shape[1])
+        same &= same_tokens(mine, out[:, ids.shape[1]:])
         if seed: times[0].append(t_mine); times[1].append(t_bare)
     return statistics.median(times[0]), statistics.median(times[1]), same
 
@@ -206,7 +205,7 @@ def main():
           f"top_p {a.top_p}, lr {a.lr}, dr_grpo, float32, median of {a.steps} steps after a "
           "warm-up")
     (ckpt, ckpt_tok, batches), (plain, plain_tok, again) = trl(a, task, True), trl(a, task, False)
-    same = all(torch.equal(x[2], y[2]) for x, y in zip(batches, again))
+    same = all(torch.equal(x["completion_ids"], y["completion_ids"]) for x, y in zip(batches, again))
     mine, mine_tok, mine_same = ours(a, batches)
     ratio = lambda x, y: f"{x / y:.2f}×" if y > 0 else "—"
     print("| phase | ours s | TRL s (default: checkpointing) | ours / TRL | TRL s, no checkpointing | ours / TRL |")
