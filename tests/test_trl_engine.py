@@ -5,8 +5,9 @@ normaliser) — for each loss normaliser and both adapter kinds; and with β > 0
 is zero at the reference, so the second step is the one that reads TRL's reference, the adapter zeroed, and its KL
 gradient: k3's, as `train` takes it). A run killed between checkpoints resumes to the uninterrupted run's result, and
 two processes (gloo) take the update one process takes on their joined batch. What vLLM is given is the adapted
-policy, merged; on a GPU with vLLM, it samples from the policy being trained."""
-import os
+policy, merged; on a GPU with vLLM, it samples from the policy being trained. The projected arm projects, clips and
+logs alike in both."""
+import dataclasses, os
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from gloo import gloo_group, spawn_two
 from entropy_grpo.adapters import add_delta_s, add_lora
 from entropy_grpo.checkpoints import trainable_parameters
 from entropy_grpo.policies import tiny_policy
+from entropy_grpo.projection_arms import ProjectionArm, random_v_hack
 from entropy_grpo.tasks import DigitTask
 from entropy_grpo.train_config import TrainConfig
 from entropy_grpo.training import _read_log, train
@@ -156,3 +158,24 @@ def test_vllm_samples_from_the_policy_being_trained(tmp_path):
     diff = [r["sampling/sampling_logp_difference/mean"] for r in log]
     assert len(diff) == 4 and max(diff[1:]) < 2 * diff[0] + 0.02, diff
     assert "entropy_rb" not in log[-1]                                       # its logits stay in vLLM
+
+
+def test_the_engines_project_v_hack_alike(tmp_path):
+    "The projected arm on the same batch with a clip that fires: GRPOProbe's projection then `ClipAfterArm` (TRL) and"
+    " `ProjectionArm`'s projection then the clip (`train`) give the same update and log the same alignment."
+    tc = dataclasses.replace(_sgd(1, 0.0, "dr_grpo"), arm="projected", max_grad_norm=0.01)
+    model, tok, adapter = policy("delta_s")
+    v_hack = random_v_hack(adapter, k=1, seed=3)
+    theta0 = {n: p.detach().clone() for n, p in trainable_parameters(model).items()}
+    trainer = trl_trainer(model, tok, DigitTask(n=8), tc, tmp_path, adapter=adapter, v_hack=v_hack, project=True)
+    batches = StepBatches(trainer).batches
+    trainer.train()
+    ours, tok2, adapter2 = policy("delta_s")
+    res = train(ours, tok2, None, tc, source=Replay(batches, G), progress=False,
+                callbacks=[ProjectionArm("projected", adapter2, v_hack)])
+    theirs, mine = _read_log(tmp_path / "log.jsonl")[0], res.records[0]
+    assert 0 < mine["frac_fired"] and mine["grad_norm"] > tc.max_grad_norm              # projected and clipped
+    for k in ("cos_in", "cos_out", "frac_fired", "grad_norm"): assert theirs[k] == pytest.approx(mine[k], abs=1e-5), k
+    for n, p in theta0.items():
+        d_ours, d_trl = trainable_parameters(ours)[n].detach() - p, trainable_parameters(model)[n].detach() - p
+        torch.testing.assert_close(d_ours, d_trl, rtol=1e-5, atol=1e-8)
