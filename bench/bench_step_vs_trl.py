@@ -66,11 +66,6 @@ def same_tokens(mine, completions:torch.Tensor) -> bool:
     return ours_.shape == completions.shape and torch.equal(ours_, completions)
 
 
-def prompts_of(batch:dict, G:int) -> list[list[int]]:
-    "A recorded step's prompts as token-id lists (one per group)."
-    return [row[m.bool()].tolist() for row, m in zip(batch["prompt_ids"][::G], batch["prompt_mask"][::G])]
-
-
 def policy(a):
     return tiny_policy(0) if a.model == "tiny" else load_policy(None, device="cpu", dtype="float32")
 
@@ -82,7 +77,7 @@ class TimedReplay(Replay):
 
     def __call__(self, step, sp, config, seed):
         b, t = self.batches[step], time.perf_counter()
-        own = sp.generate_batched(prompts_of(b, self.G), seed=step)      # TRL's generate of this step was seeded alike
+        own = sp.generate_batched(self.prompts(step), seed=step)      # TRL's generate of this step was seeded alike
         t_gen, rollout = time.perf_counter() - t, super().__call__(step, sp, config, seed)
         rollout.time_generate = t_gen
         self.decode_steps[step] = own.sequences.shape[-1] - own.prompt_lens[0]   # the longest completion drawn
@@ -168,7 +163,7 @@ def generation_alone(a, batches) -> tuple[float, float, bool]:
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=a.targets)).eval()
     sp = SequenceProcessor(model, tok, GenerationConfig(max_new_tokens=a.max_new_tokens, num_generations=a.G,
                                                         temperature=1.0, top_p=a.top_p), progress=False)
-    ids, attn, prompts = batches[1]["prompt_ids"], batches[1]["prompt_mask"], prompts_of(batches[1], a.G)
+    ids, attn, prompts = batches[1]["prompt_ids"], batches[1]["prompt_mask"], Replay(batches, a.G).prompts(1)
     gcfg, times, same = hf_generation_config(sp.config, tok, sp.eos_token_id), ([], []), True
     def timed(f):
         t = time.perf_counter(); out = f(); return out, time.perf_counter() - t
