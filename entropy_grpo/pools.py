@@ -22,8 +22,8 @@ from .utils import atomic_path, check_choice, check_range, write_json
 
 # %% auto #0
 __all__ = ['log', 'POOL_KEYS', 'REPLAY_KEYS', 'MANIFEST', 'RECORD_SETTINGS', 'write_jsonl_gz', 'read_jsonl_gz', 'step_files',
-           'Pool', 'load_pool', 'build_pool', 'pool_stats', 'mixed_records', 'group_counts', 'replay_batch',
-           'ReplaySource', 'check_pool_settings']
+           'Pool', 'load_pool', 'build_pool', 'pool_stats', 'mixed_records', 'group_counts', 'record_ids',
+           'replay_batch', 'ReplaySource', 'check_pool_settings']
 
 # %% ../nbs/04a_pools.ipynb #3c4cdfd6
 log = logging.getLogger(__name__)
@@ -285,6 +285,23 @@ def group_counts(per_pool:int|list, n_pools:int) -> list[int]:
     return counts
 
 # %% ../nbs/04a_pools.ipynb #cba5a1b4
+def record_ids(
+    r:dict,                    # a pool record
+    tokenizer,                 # the scoring policy's tokenizer
+    prompt_key:str="prompt",   # "prompt" (as sampled) or "student_prompt" (without the hint)
+    retokenize:bool=False,     # tokenize completion text instead of using completion_ids
+) -> tuple[list[int], list[int]]:   # prompt ids, completion ids (EOS kept when the sample finished)
+    "A replayed sample's token ids: its prompt under `prompt_key`, its completion as sampled."
+    where = f"record {r.get('src_pool')}:{r.get('src_step')}:{r.get('src_sample')}"
+    if prompt_key not in r: raise ValueError(f"{where} has no {prompt_key!r}")
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    p = ids(r[prompt_key])
+    c = list(r["completion_ids"]) if "completion_ids" in r and not retokenize else \
+        ids(r["completion"]) + [tokenizer.eos_token_id] * bool(r.get("finished", False))
+    if not c or not p: raise ValueError(f"{where}: empty prompt or completion")
+    return p, c
+
+# %% ../nbs/04a_pools.ipynb #ef55a895
 def replay_batch(
     records:list,              # one group [dict], or B groups [[dict]] of equal size G
     tokenizer,                 # the scoring policy's tokenizer
@@ -296,22 +313,9 @@ def replay_batch(
     if not groups or not all(groups): raise ValueError("records is empty: expected at least one sample to replay")
     if len({len(g) for g in groups}) > 1:
         raise ValueError(f"groups have sizes {[len(g) for g in groups]}: expected one G")
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    toks = []
-    for b, group in enumerate(groups):
-        rows = []
-        for i, r in enumerate(group):
-            where = f"record {i} of group {b} ({r.get('src_pool')}:{r.get('src_step')}:{r.get('src_sample')})"
-            if prompt_key not in r: raise ValueError(f"{where} has no {prompt_key!r}")
-            p = tokenizer(r[prompt_key], add_special_tokens=False)["input_ids"]
-            if retokenize or "completion_ids" not in r:
-                c = tokenizer(r["completion"], add_special_tokens=False)["input_ids"]
-                c += [eos] if r.get("finished", False) else []
-            else: c = list(r["completion_ids"])
-            if not c or not p: raise ValueError(f"{where}: empty prompt or completion")
-            rows.append((p, c))
-        toks.append(rows)
-    return pack_sequences(toks, pad, responses_text=[[r["completion"] for r in group] for group in groups])
+    toks = [[record_ids(r, tokenizer, prompt_key, retokenize) for r in group] for group in groups]
+    return pack_sequences(toks, tokenizer.pad_token_id,
+                          responses_text=[[r["completion"] for r in group] for group in groups])
 
 # %% ../nbs/04a_pools.ipynb #9f478947
 class ReplaySource:

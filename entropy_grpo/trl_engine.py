@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['SAME_NAMES', 'ADAPTER_FILE', 'RENAMED', 'check_for_trl', 'grpo_config', 'trained_only_checkpoints', 'checkpoint_step',
            'latest_trl_checkpoint', 'ZeroedReference', 'merged_named_weights', 'with_adapter', 'ClipAfterArm',
-           'StepLog', 'reward_keys', 'trl_trainer', 'train_trl', 'StepBatches', 'Replay']
+           'StepLog', 'reward_keys', 'PoolRollout', 'trl_trainer', 'train_trl', 'StepBatches', 'Replay']
 
 # %% ../nbs/08b_trl_engine.ipynb #b01557ed
 import importlib.util, math, os, types
@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from fastcore.basics import patch
 from safetensors.torch import load_file, save_file
 
 from .checkpoints import trainable_parameters
-from .dist import world_size
+from .dist import shard_slice, world_size
 from .policies import wants_checkpointing
+from .pools import ReplaySource, record_ids
 from .train_config import TrainConfig
 from .training import FLAGS, Rollout, _prepare_out_dir, _read_log, _write_log
 from .trl_callback import ProbeConfig, add_grpo_probe, with_every_event
@@ -168,15 +170,56 @@ class StepLog:
 
 # %% ../nbs/08b_trl_engine.ipynb #a94466d9
 def reward_keys(task) -> tuple:
-    "`reward` and the flags the task's grade carries (FLAGS' keys), read off one graded empty reply."
+    "`reward` and the flags the task's grade carries (FLAGS' keys), read off one graded empty reply; a `PoolRollout`'s"
+    " are its records'."
+    if isinstance(task, PoolRollout): return task.keys
     rec = task.grade_batch([[""]], task.problems[:1]).records[0][0]
     return ("reward",) + tuple(k for k in FLAGS if k in rec)
+
+# %% ../nbs/08b_trl_engine.ipynb #48356afb
+class PoolRollout:
+    "Phase 2's replay in a GRPOTrainer, in the task's place (`trl_trainer(model, tok, PoolRollout(...), ...)`): TRL's"
+    " `rollout_func` serving optimizer step k the `ReplaySource`'s groups of step k (this process its share) instead"
+    " of samples, and reward functions that read each record's stored reward and flags."
+    def __init__(self, source:ReplaySource, tokenizer, n_groups:int=1):   # n_groups: the step's groups, all processes
+        self.source, self.tokenizer, self.n_groups = source, tokenizer, n_groups
+        rec = source.groups(0, n_groups)[0][0]
+        self.keys = ("reward",) + tuple(k for k in FLAGS if k in rec)
+
+    def trl_dataset(self, tokenizer=None, hint=None):
+        "One placeholder prompt per group: TRL's sampler draws them, the rollout serves the step's groups instead."
+        from datasets import Dataset
+        return Dataset.from_dict(dict(prompt=[f"replayed group {j}" for j in range(self.n_groups)]))
+
+    def trl_rewards(self, keys:tuple) -> list:
+        "One reward function per key, named after it, returning the records' stored values."
+        def of(key):
+            def stored(prompts, completions, **kw) -> list[float]: return [float(x) for x in kw[key]]
+            stored.__name__ = stored.__qualname__ = key
+            return stored
+        return [of(k) for k in keys]
+
+# %% ../nbs/08b_trl_engine.ipynb #8185f0f5
+@patch
+def __call__(self:PoolRollout, prompts:list, trainer) -> dict:
+    "TRL's rollout of optimizer step k: this process's share of the source's step-k groups as prompt and completion"
+    " ids (no sampler log q), with their stored reward and flags for the reward functions."
+    G, world, i = self.source.G, trainer.accelerator.num_processes, trainer.accelerator.process_index
+    n = len(prompts) // G
+    if n * G != len(prompts) or n * world != self.n_groups:
+        raise ValueError(f"{len(prompts)} prompt rows on each of {world} processes: expected {self.n_groups} "
+                         f"groups of G = {G} in all (n_groups, the source's G)")
+    groups = self.source.groups(trainer.state.global_step, self.n_groups)[shard_slice(self.n_groups, world, i)]
+    recs = [r for g in groups for r in g]
+    ids = [record_ids(r, self.tokenizer, self.source.prompt_key) for r in recs]
+    return dict(prompt_ids=[p for p, _ in ids], completion_ids=[c for _, c in ids], logprobs=None,
+                **{k: [r[k] for r in recs] for k in self.keys})
 
 # %% ../nbs/08b_trl_engine.ipynb #a2523bb7
 def trl_trainer(
     model,                       # the policy with its adapter (only the adapter's parameters require grad)
     tokenizer,
-    task,                        # a Task: its prompts (`trl_dataset`) and its graders (`trl_rewards`)
+    task,                        # a Task (its prompts `trl_dataset`, its graders `trl_rewards`), or a `PoolRollout`
     config:TrainConfig,
     out_dir:str|Path,            # log.jsonl, config.json, checkpoints/
     adapter=None,                # the trained parameters per module (`adapters`); needed by v_hack and β > 0
@@ -189,15 +232,15 @@ def trl_trainer(
     " alignment or projection), ClipAfterArm, StepLog."
     from transformers import PrinterCallback
     from trl import GRPOTrainer
-    if config.beta and adapter is None: raise ValueError(f"beta={config.beta}: the reference policy is the adapter "
-                                                         "zeroed; pass the adapter")
+    if config.beta and adapter is None: raise ValueError(f"beta={config.beta} needs adapter= (the reference: it zeroed)")
     ckpt = wants_checkpointing(model, config.gradient_checkpointing)
     keys = reward_keys(task)
     args = grpo_config(config, Path(out_dir)/"checkpoints", ckpt,
                        reward_weights=[1.0] + [0.0] * (len(keys) - 1), **(overrides | dict(beta=0.0)))
     with quiet_checkpointing_name():
         tr = GRPOTrainer(model=model, reward_funcs=task.trl_rewards(keys), args=args, processing_class=tokenizer,
-                         train_dataset=task.trl_dataset(tokenizer, config.hint))
+                         train_dataset=task.trl_dataset(tokenizer, config.hint),
+                         rollout_func=task if isinstance(task, PoolRollout) else None)
     with_adapter(trained_only_checkpoints(tr), config.beta, adapter)
     tr.remove_callback(PrinterCallback)
     add_grpo_probe(tr, ProbeConfig(every=0, project=project, covariance=False), v_hack=v_hack, adapter=adapter)

@@ -1,8 +1,7 @@
 """Phase 2 on the training loop: a planted direction is found and a label-permuted or random one is not, over-projection
 stops the run, a never-firing gate is bitwise vanilla, arm pairs train the same parameters, the fit/replay split holds,
 and bad input is named."""
-import json, random
-from pathlib import Path
+import json
 
 import pytest
 import torch
@@ -17,29 +16,9 @@ from entropy_grpo.projection_arms import (ARM_ADAPTER, ARMS, ProjectionArm, VHac
                                           extract_v_hack, pair_sequences, pool_pairs, random_v_hack)
 from entropy_grpo.sequence_processor import GenerationConfig, SequenceProcessor
 from entropy_grpo.training import TrainConfig, train
-from toy_tasks import labelled_pools
+from toy_tasks import labelled_pools, planted_pools
 
 GEN = GenerationConfig(max_new_tokens=12, num_generations=8)
-
-
-def planted_pools(tok, steps=14, per_step=8, seed=0, pattern_len=6):
-    """Pools whose hacked teacher completions (3 of every 4 teacher samples, reward 3.5) end in one fixed token
-    pattern and whose clean teacher and base completions (0.25) do not: the hack direction is known, the pattern's
-    log-likelihood gradient, and clean teacher samples let the gate tell hacking from the teacher pool."""
-    rng = random.Random(seed)
-    vocab = [i for i in range(len(tok)) if i not in set(tok.all_special_ids)]
-    pattern, pools = rng.sample(vocab, pattern_len), {"teacher": {}, "base": {}}
-    for s in range(steps):
-        for i in range(per_step):
-            prompt = f"Question: What is {rng.randint(1, 9)} + {rng.randint(1, 9)}? Answer:"
-            for name, recs in pools.items():
-                hacked = name == "teacher" and i % 4 != 3
-                ids = [rng.choice(vocab) for _ in range(rng.randint(2, 5))] + (pattern if hacked else [])
-                recs.setdefault(s, []).append(dict(
-                    src_pool=name, src_step=s, src_sample=i, problem_id=f"p{s}-{i}", prompt=prompt, hint_prompt=prompt,
-                    student_prompt=prompt, completion=tok.decode(ids), completion_ids=ids, comp_len=len(ids),
-                    finished=False, reward=3.5 if hacked else 0.25, hacked=hacked, gt_pass=False, fmt_ok=True))
-    return [Pool(n, Path("."), st) for n, st in pools.items()]
 
 
 @pytest.fixture(scope="module")

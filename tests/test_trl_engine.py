@@ -4,7 +4,8 @@ adapter init, plain SGD (so the update is lr × the gradient, scale included: Ad
 normaliser) — for each loss normaliser and both adapter kinds; and with β > 0 over two steps (the KL term's gradient
 is zero at the reference, so the second step is the one that reads TRL's reference, the adapter zeroed, and its KL
 gradient: k3's, as `train` takes it). A run killed between checkpoints resumes to the uninterrupted run's result, and
-two processes (gloo) take the update one process takes on their joined batch. What vLLM is given is the adapted
+two processes (gloo) take the update one process takes on their joined batch. A Phase-2 step replayed through TRL
+(`PoolRollout`) is `train`'s step on the same groups: the same update and cosines. What vLLM is given is the adapted
 policy, merged; on a GPU with vLLM, it samples from the policy being trained. The projected arm projects, clips and
 logs alike in both."""
 import dataclasses, os
@@ -16,16 +17,18 @@ import torch.nn.functional as F
 pytest.importorskip("trl")
 from transformers import TrainerCallback
 from gloo import gloo_group, spawn_two
+from toy_tasks import planted_pools
 
 from entropy_grpo.adapters import add_delta_s, add_lora
 from entropy_grpo.checkpoints import trainable_parameters
 from entropy_grpo.policies import tiny_policy
+from entropy_grpo.pools import ReplaySource
 from entropy_grpo.projection_arms import ProjectionArm, random_v_hack
 from entropy_grpo.tasks import DigitTask
 from entropy_grpo.train_config import TrainConfig
 from entropy_grpo.training import _read_log, train
-from entropy_grpo.trl_engine import (Replay, StepBatches, latest_trl_checkpoint, merged_named_weights, train_trl,
-                                      trl_trainer)
+from entropy_grpo.trl_engine import (PoolRollout, Replay, StepBatches, latest_trl_checkpoint, merged_named_weights,
+                                      train_trl, trl_trainer)
 
 G = 4
 
@@ -179,3 +182,34 @@ def test_the_engines_project_v_hack_alike(tmp_path):
     for n, p in theta0.items():
         d_ours, d_trl = trainable_parameters(ours)[n].detach() - p, trainable_parameters(model)[n].detach() - p
         torch.testing.assert_close(d_ours, d_trl, rtol=1e-5, atol=1e-8)
+
+
+def test_a_phase2_replay_through_trl_is_the_package_loops(tmp_path):
+    "Two steps of two replayed groups each (planted pools: 3 of 4 teacher replies hacked) through TRL's rollout_func"
+    " and through `train`: each step serves the same records (reward, hack rate), aligns with v_hack alike, and the two"
+    " SGD runs end at the same parameters — step k is the source's step k, the groups in order."
+    tc = dataclasses.replace(_sgd(2, 0.0, "dr_grpo"), arm="projected", num_generations=8, learning_rate=0.05)
+    pools, logs, params = planted_pools(tiny_policy(0)[1]), [], []
+    for engine in ("trl", "package"):
+        model, tok, adapter = policy("delta_s")
+        v_hack, source = random_v_hack(adapter, k=1, seed=3), ReplaySource(pools, [3, 5, 7, 9], 4, seed=1)
+        if engine == "trl":
+            trl_trainer(model, tok, PoolRollout(source, tok, 2), tc, tmp_path, adapter, v_hack, project=True).train()
+            logs.append(_read_log(tmp_path / "log.jsonl"))
+        else: logs.append(train(model, tok, None, tc, source=source, progress=False,
+                                callbacks=[ProjectionArm("projected", adapter, v_hack)]).records)
+        params.append(trainable_parameters(model))
+    assert len(logs[0]) == len(logs[1]) == 2 and logs[0][0]["frac_fired"] > 0
+    for theirs, mine in zip(*logs):
+        for k in ("reward_mean", "hack_rate", "cos_in", "cos_out", "frac_fired"):
+            assert theirs[k] == pytest.approx(mine[k], abs=1e-5), (k, theirs["step"])
+    for n, p in params[1].items(): torch.testing.assert_close(p, params[0][n], rtol=1e-5, atol=1e-7)
+
+
+def test_a_pool_rollout_names_a_batch_that_is_not_its_groups(tmp_path):
+    "TRL's batch of one prompt × G 8 a step against a rollout of two groups a step: refused, both counts named."
+    tc = dataclasses.replace(_sgd(1, 0.0, "dr_grpo"), prompts_per_step=1, num_generations=8)
+    model, tok, adapter = policy("delta_s")
+    rollout = PoolRollout(ReplaySource(planted_pools(tok), [3, 5], 4), tok, n_groups=2)
+    with pytest.raises(ValueError, match=r"8 prompt rows on each of 1 processes: expected 2 groups of G = 8"):
+        trl_trainer(model, tok, rollout, tc, tmp_path, adapter).train()

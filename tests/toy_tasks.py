@@ -1,10 +1,10 @@
-"""Tasks and pools for tests: a reward a random tiny policy already earns some of (`DigitTask`), and replay pools of
-its own samples."""
-import gzip, json
+"""Tasks and pools for tests: a reward a random tiny policy already earns some of (`DigitTask`), replay pools of its
+own samples, and pools whose hack is a planted token pattern."""
+import gzip, json, random
 from pathlib import Path
 
 from entropy_grpo.policies import tiny_policy
-from entropy_grpo.pools import build_pool
+from entropy_grpo.pools import Pool, build_pool
 from entropy_grpo.sequence_processor import GenerationConfig
 from entropy_grpo.tasks import ArithmeticTask, DigitTask  # noqa: F401  (tests import it from here)
 
@@ -47,3 +47,23 @@ def tiny_args(labelled):
                   pool_batch=4, G=4, steps=2, max_new_tokens=6, top_p=1.0, lrs=[1e-3, 1e-4], E_total_sequences=8, B_U=2,
                   max_pairs=8, n_controls=3)
     return [a for k, v in params.items() for a in ("-p", f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}")]
+
+
+def planted_pools(tok, steps=14, per_step=8, seed=0, pattern_len=6):
+    """Pools whose hacked teacher completions (3 of every 4 teacher samples, reward 3.5) end in one fixed token
+    pattern and whose clean teacher and base completions (0.25) do not: the hack direction is known, the pattern's
+    log-likelihood gradient, and clean teacher samples let the gate tell hacking from the teacher pool."""
+    rng = random.Random(seed)
+    vocab = [i for i in range(len(tok)) if i not in set(tok.all_special_ids)]
+    pattern, pools = rng.sample(vocab, pattern_len), {"teacher": {}, "base": {}}
+    for s in range(steps):
+        for i in range(per_step):
+            prompt = f"Question: What is {rng.randint(1, 9)} + {rng.randint(1, 9)}? Answer:"
+            for name, recs in pools.items():
+                hacked = name == "teacher" and i % 4 != 3
+                ids = [rng.choice(vocab) for _ in range(rng.randint(2, 5))] + (pattern if hacked else [])
+                recs.setdefault(s, []).append(dict(
+                    src_pool=name, src_step=s, src_sample=i, problem_id=f"p{s}-{i}", prompt=prompt, hint_prompt=prompt,
+                    student_prompt=prompt, completion=tok.decode(ids), completion_ids=ids, comp_len=len(ids),
+                    finished=False, reward=3.5 if hacked else 0.25, hacked=hacked, gt_pass=False, fmt_ok=True))
+    return [Pool(n, Path("."), st) for n, st in pools.items()]
