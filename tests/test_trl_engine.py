@@ -188,7 +188,7 @@ def test_a_phase2_replay_through_trl_is_the_package_loops(tmp_path):
     "Two steps of two replayed groups each (planted pools: 3 of 4 teacher replies hacked) through TRL's rollout_func"
     " and through `train`: each step serves the same records (reward, hack rate), aligns with v_hack alike, and the two"
     " SGD runs end at the same parameters — step k is the source's step k, the groups in order."
-    tc = dataclasses.replace(_sgd(2, 0.0, "dr_grpo"), arm="projected", num_generations=8, learning_rate=0.05)
+    tc = dataclasses.replace(_replay_tc(), arm="projected")
     pools, logs, params = planted_pools(tiny_policy(0)[1]), [], []
     for engine in ("trl", "package"):
         model, tok, adapter = policy("delta_s")
@@ -204,6 +204,34 @@ def test_a_phase2_replay_through_trl_is_the_package_loops(tmp_path):
         for k in ("reward_mean", "hack_rate", "cos_in", "cos_out", "frac_fired"):
             assert theirs[k] == pytest.approx(mine[k], abs=1e-5), (k, theirs["step"])
     for n, p in params[1].items(): torch.testing.assert_close(p, params[0][n], rtol=1e-5, atol=1e-7)
+
+
+def _replay_tc() -> TrainConfig:
+    "Phase 2's replay: two groups of G 8 a step (4 from each planted pool), SGD."
+    return dataclasses.replace(_sgd(2, 0.0, "dr_grpo"), num_generations=8, learning_rate=0.05)
+
+
+def _two_process_replay_worker(rank, world, port, out):
+    "One rank of a two-process TRL run replaying the planted pools through `PoolRollout`: its trained parameters."
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    with gloo_group(rank, world, port):
+        model, tok, adapter = policy("delta_s")
+        rollout = PoolRollout(ReplaySource(planted_pools(tok), [3, 5, 7, 9], 4, seed=1), tok, 2)
+        trl_trainer(model, tok, rollout, _replay_tc(), out, adapter).train()
+        torch.save({n: p.detach() for n, p in trainable_parameters(model).items()}, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_two_processes_replay_their_share_of_each_steps_groups(tmp_path):
+    "Two TRL processes, one replayed group each, end where `train` ends in one process on both groups: each rank took"
+    " its own group (the same group twice, or the other step's, would move the parameters elsewhere)."
+    spawn_two(_two_process_replay_worker, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    model, tok, _ = policy("delta_s")
+    train(model, tok, None, _replay_tc(), source=ReplaySource(planted_pools(tok), [3, 5, 7, 9], 4, seed=1),
+          progress=False)
+    for n, p in trainable_parameters(model).items():
+        assert torch.equal(ranks[0][n], ranks[1][n]), n
+        torch.testing.assert_close(ranks[0][n], p.detach(), rtol=1e-5, atol=1e-7)
 
 
 def test_a_pool_rollout_names_a_batch_that_is_not_its_groups(tmp_path):
