@@ -7,9 +7,13 @@ BIN   := $(VENV)/bin
 TORCH ?= torch==2.13.0   # the CPU build on this machine's disk; set TORCH="torch" for a CUDA build elsewhere
 
 .PHONY: setup demo test record record-calibration record-engines export-check nbtest pytest readme clean-nbs
-setup: $(VENV)/.installed
+# The install is keyed on pyproject.toml's content, not its time: nbdev-export rewrites the file unchanged.
+CONTENT   := import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:16])
+INSTALLED := $(VENV)/.installed-$(shell $(PY) -c "$(CONTENT)")
+setup: $(INSTALLED)
 
-$(VENV)/.installed: pyproject.toml
+$(INSTALLED):
+	rm -f $(VENV)/.installed*
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q "$(TORCH)"
