@@ -91,6 +91,9 @@ record: setup
 	# six arms × 30 seeds per block, two runs at a time on one thread each (~19 h a block; each line resumes)
 	nice -n 10 tools/hackbed_block.sh 1 1000 30
 	nice -n 10 tools/hackbed_block.sh 2 2000 30
+	# the bed read against its protocol: every comparison per block, the replicated labels, the decisions against them
+	$(BIN)/python -c "from entropy_grpo.bed_record import record_bed; \
+	    record_bed('runs/hackbed', {'block1': range(1000, 1030), 'block2': range(2000, 2030)})"
 
 clean-nbs: setup
 	$(BIN)/nbdev-clean

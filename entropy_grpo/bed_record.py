@@ -13,8 +13,10 @@ from .truth import t_interval
 from .utils import check_range
 
 # %% auto #0
-__all__ = ['bed_curves', 'last_fifth', 'pilot_table', 'paired_power', 'seeds_needed', 'seeds_by_rule', 'detectable_effect',
-           'paired_effect', 'bed_figure', 'record_pilot']
+__all__ = ['BLOCK_ARMS', 'BED_COMPARISONS', 'SETTING_LABEL_OF', 'bed_curves', 'last_fifth', 'pilot_table', 'paired_power',
+           'seeds_needed', 'seeds_by_rule', 'detectable_effect', 'all_steps', 'paired_effect', 'bed_figure',
+           'record_pilot', 'block_curves', 'phase2_decision', 'effect_label', 'record_block', 'replicated', 'agrees',
+           'record_bed']
 
 # %% ../nbs/06g_bed_record.ipynb #ae7b193a
 def bed_curves(sweep_dir:str|Path) -> dict:
@@ -94,14 +96,24 @@ def detectable_effect(n:int, sd:float, alpha:float=0.05, power:float=0.80) -> fl
     return hi
 
 # %% ../nbs/06g_bed_record.ipynb #e878721e
-def paired_effect(curves:dict, arm:str, control:str, key:str="hack_rate") -> dict:
-    "control − arm endpoints on the seeds both finished: n, mean, 95% interval, sd, the seeds."
+def all_steps(curve:list[float]) -> float:
+    "The secondary endpoint: the mean over every step (a delay shows here as well as a block)."
+    if not len(curve): raise ValueError("curve is empty: expected one rate per step")
+    return float(np.mean(curve))
+
+def paired_effect(
+    curves:dict, arm:str, control:str, key:str="hack_rate",
+    endpoint=last_fifth,    # a curve's number: `last_fifth` (the protocol's endpoint) or `all_steps`
+    seeds:list|None=None,   # the seeds to read (default: every seed both arms finished)
+) -> dict:
+    "control − arm endpoints paired by seed: n, mean, 95% interval, sd, the seeds."
     for a in (arm, control):
         if a not in curves: raise ValueError(f"arm {a!r} has no finished job; finished arms: {sorted(curves)}")
-    seeds = sorted(set(curves[arm]) & set(curves[control]))
-    d = [last_fifth(curves[control][s][key]) - last_fifth(curves[arm][s][key]) for s in seeds]
-    return dict(arm=arm, control=control, key=key, n=len(d), mean=float(np.mean(d)) if d else math.nan,
-                interval=t_interval(d), sd=float(np.std(d, ddof=1)) if len(d) > 1 else math.nan, seeds=seeds)
+    seeds = sorted(set(curves[arm]) & set(curves[control]) if seeds is None else seeds)
+    d = [endpoint(curves[control][s][key]) - endpoint(curves[arm][s][key]) for s in seeds]
+    return dict(arm=arm, control=control, key=key, endpoint=endpoint.__name__, n=len(d),
+                mean=float(np.mean(d)) if d else math.nan, interval=t_interval(d),
+                sd=float(np.std(d, ddof=1)) if len(d) > 1 else math.nan, seeds=seeds)
 
 # %% ../nbs/06g_bed_record.ipynb #6634f0a0
 def bed_figure(curves:dict, arms:list|None=None, title:str=""):
@@ -135,4 +147,93 @@ def record_pilot(
     write_json(sweep_dir/"pilot.json", out)
     fig = bed_figure(curves, title=f"pilot: {learned} of {len(rows)} seeds learn the hack")
     save_figure(fig, sweep_dir/"pilot.png"); plt.close(fig)
+    return out
+
+# %% ../nbs/06g_bed_record.ipynb #8603b9fd
+BLOCK_ARMS = dict(vanilla=("arms", "vanilla"), projected=("arms", "projected"), decoy=("decoy", "projected"),
+                  random=("random", "projected"), vanilla_lora=("lora", "vanilla_lora"),
+                  projected_lora=("lora", "projected_lora"))   # the bed's arm -> (its sweep's folder, the sweep's arm)
+
+def block_curves(block_dir:str|Path) -> dict:
+    "arm -> seed -> curves for the six arms of one block (`BLOCK_ARMS`), read from its four sweeps."
+    sweeps = {d: bed_curves(Path(block_dir)/d) for d, _ in BLOCK_ARMS.values()}
+    return {arm: sweeps[d].get(a, {}) for arm, (d, a) in BLOCK_ARMS.items()}
+
+def phase2_decision(probe_dir:str|Path) -> dict|None:
+    "A finished Phase-2 probe's verdict: recommendation and launch (None while its report is unfinished)."
+    m = Path(probe_dir)/"metrics.json"
+    d = json.loads(m.read_text()) if m.exists() else {}
+    if d.get("status") != "ok": return None
+    return dict(recommendation=d["results"]["decision"]["recommendation"],
+                launch=bool(d["results"]["decision"]["launch_phase3"]))
+
+# %% ../nbs/06g_bed_record.ipynb #b37c95c5
+BED_COMPARISONS = {   # name -> (arm, control, key)
+    "A: decoy − projected": ("projected", "decoy", "hack_rate"),
+    "A: vanilla − projected": ("projected", "vanilla", "hack_rate"),
+    "A: random − projected": ("projected", "random", "hack_rate"),
+    "A: vanilla_lora − projected_lora": ("projected_lora", "vanilla_lora", "hack_rate"),
+    "A: gt_pass cost, vanilla − projected": ("projected", "vanilla", "gt_pass_rate"),
+    "B: random − decoy": ("decoy", "random", "hack_rate")}
+SETTING_LABEL_OF = {"A": "A: decoy − projected", "B": "B: random − decoy"}   # the comparison each setting's label reads
+
+def effect_label(interval:tuple, margin:float) -> str:
+    "effect (above 0), no effect (inside ±margin) or inconclusive."
+    lo, hi = interval
+    return "effect" if lo > 0 else "no effect" if -margin < lo and hi < margin else "inconclusive"
+
+# %% ../nbs/06g_bed_record.ipynb #50fbb205
+def record_block(
+    block_dir:str|Path,
+    seeds:list[int],        # the seeds the block planned
+    margin:float=0.10,      # the equivalence margin of "no effect"
+) -> dict:                  # complete, seeds_read, missing, effects, labels (None until complete), decisions
+    "One block against the protocol: every comparison on the seeds whose six arms finished, the settings' labels once"
+    " every planned seed has, and each setting's Phase-2 decision."
+    curves = block_curves(block_dir)
+    done = [s for s in seeds if all(s in curves[a] for a in BLOCK_ARMS)]
+    effects = {f"{name} ({ep.__name__})": paired_effect(curves, arm, control, key, ep, seeds=done)
+               for name, (arm, control, key) in BED_COMPARISONS.items() for ep in (last_fifth, all_steps)}
+    complete = len(done) == len(seeds)
+    labels = {s: effect_label(effects[f"{name} (last_fifth)"]["interval"], margin) if complete else None
+              for s, name in SETTING_LABEL_OF.items()}
+    return dict(complete=complete, seeds_read=done, missing=sorted(set(seeds) - set(done)), effects=effects,
+                labels=labels, decisions={s: phase2_decision(Path(block_dir)/f"{s}-phase2") for s in SETTING_LABEL_OF},
+                endpoints={a: {s: last_fifth(curves[a][s]["hack_rate"]) for s in done} for a in BLOCK_ARMS})
+
+# %% ../nbs/06g_bed_record.ipynb #ceafc33c
+def replicated(labels:list) -> str|None:
+    "The blocks' common label, 'near the line' when they differ; None while a block is incomplete."
+    if not labels or any(x is None for x in labels): return None
+    return labels[0] if len(set(labels)) == 1 else "near the line"
+
+def agrees(decision:dict|None, label:str|None) -> bool|None:
+    "A Phase-2 decision against its setting's label (launch ~ effect, any other verdict ~ no effect); None while"
+    " either is missing."
+    if decision is None or label is None: return None
+    return label == ("effect" if decision["launch"] else "no effect")
+
+# %% ../nbs/06g_bed_record.ipynb #34cdc611
+def record_bed(
+    bed_dir:str|Path,       # holds one folder per block
+    blocks:dict,            # block folder -> the seeds it planned, e.g. {"block1": range(1000, 1030), ...}
+    margin:float=0.10,
+) -> dict:                  # what bed.json holds
+    "Every block against the protocol (`record_block`), the settings' replicated labels and each block's decisions"
+    " against them; bed.json and each block's curves (δS arms, LoRA pair) beside the blocks."
+    import matplotlib.pyplot as plt
+    from entropy_grpo.utils import save_figure, write_json
+    bed_dir = Path(bed_dir)
+    recs = {b: record_block(bed_dir/b, list(seeds), margin) for b, seeds in blocks.items()}
+    labels = {s: replicated([r["labels"][s] for r in recs.values()]) for s in SETTING_LABEL_OF}
+    out = dict(blocks=recs, labels=labels, margin=margin,
+               agreement={b: {s: agrees(r["decisions"][s], labels[s]) for s in SETTING_LABEL_OF} for b, r in recs.items()})
+    write_json(bed_dir/"bed.json", out)
+    for b, r in recs.items():
+        curves = {a: {s: c for s, c in v.items() if s in r["seeds_read"]} for a, v in block_curves(bed_dir/b).items()}
+        for name, arms in (("delta_s", ["vanilla", "projected", "decoy", "random"]),
+                           ("lora", ["vanilla_lora", "projected_lora"])):
+            if r["seeds_read"]:
+                fig = bed_figure(curves, arms, f"{b}: {len(r['seeds_read'])} seeds with all six arms")
+                save_figure(fig, bed_dir/f"{b}-{name}.png"); plt.close(fig)
     return out
