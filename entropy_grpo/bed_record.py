@@ -16,7 +16,7 @@ from .utils import check_range
 __all__ = ['BLOCK_ARMS', 'BED_COMPARISONS', 'SETTING_LABEL_OF', 'bed_curves', 'last_fifth', 'pilot_table', 'paired_power',
            'seeds_needed', 'seeds_by_rule', 'detectable_effect', 'all_steps', 'paired_effect', 'bed_figure',
            'record_pilot', 'block_curves', 'phase2_decision', 'effect_label', 'record_block', 'replicated', 'agrees',
-           'record_bed']
+           'record_bed', 'engines_on_bed']
 
 # %% ../nbs/06g_bed_record.ipynb #ae7b193a
 def bed_curves(sweep_dir:str|Path) -> dict:
@@ -237,3 +237,25 @@ def record_bed(
                 fig = bed_figure(curves, arms, f"{b}: {len(r['seeds_read'])} seeds with all six arms")
                 save_figure(fig, bed_dir/f"{b}-{name}.png"); plt.close(fig)
     return out
+
+# %% ../nbs/06g_bed_record.ipynb #82139ab8
+def engines_on_bed(
+    trl_dir:str|Path,       # a sweep of the vanilla and projected arms on engine="trl"
+    block_dir:str|Path,     # the bed's block whose `arms/` sweep ran them on the package's loop
+    seeds:list[int],
+    margin:float=0.15,
+) -> dict:                  # seeds_read, complete, differences: "<key> (<endpoint>)" -> arm|effect -> label
+    "TRL − package per arm and for the effect, on the hack rate and gt_pass, endpoint and all-steps mean."
+    from entropy_grpo.truth import engine_difference
+    curves = dict(trl=bed_curves(trl_dir), package=block_curves(block_dir))
+    done = [s for s in seeds if all(s in c.get(a, {}) for c in curves.values() for a in ("vanilla", "projected"))]
+    out = {}
+    for key in ("hack_rate", "gt_pass_rate"):
+        for ep in (last_fifth, all_steps):
+            at = lambda e, a, s: ep(curves[e][a][s][key])
+            effect = lambda e, s: at(e, "vanilla", s) - at(e, "projected", s)
+            d = {a: [at("trl", a, s) - at("package", a, s) for s in done] for a in ("vanilla", "projected")}
+            d["effect"] = [effect("trl", s) - effect("package", s) for s in done]
+            out[f"{key} ({ep.__name__})"] = {a: engine_difference(v, margin) if len(v) > 1 else None
+                                             for a, v in d.items()}
+    return dict(seeds_read=done, complete=len(done) == len(seeds), differences=out)
