@@ -6,7 +6,8 @@ VENV  ?= .venv
 BIN   := $(VENV)/bin
 TORCH ?= torch==2.13.0   # the CPU build on this machine's disk; set TORCH="torch" for a CUDA build elsewhere
 
-.PHONY: setup demo test record record-calibration record-engines export-check nbtest pytest readme clean-nbs
+.PHONY: setup demo test export-check nbtest pytest readme clean-nbs
+.PHONY: record record-calibration record-engines record-engines-smollm2
 # The install is keyed on pyproject.toml's content, not its time: nbdev-export rewrites the file unchanged.
 CONTENT   := import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:16])
 INSTALLED := $(VENV)/.installed-$(shell $(PY) -c "$(CONTENT)")
@@ -54,6 +55,13 @@ record-calibration: setup
 # stopped.
 record-engines: setup
 	$(BIN)/python -c "from entropy_grpo.truth import measure_engines; measure_engines('runs/engines')"
+
+# The bed's vanilla and projected arms on TRL's engine (runs/engines/smollm2/PROTOCOL.md): seeds 1000-1029, one run at
+# a time (~10 GB each); read beside the bed's block 1 once it is complete. Resumes where it stopped.
+record-engines-smollm2: setup
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/entropy-grpo sweep --out runs/engines/smollm2/trl --steps 16 --force \
+	    --max-parallel 1 --seeds $$(seq 1000 1029) --arms vanilla projected -p preset="'leak'" -p engine="'trl'" \
+	    -p v_hack="'runs/hackbed/block1/A-phase2/v_hack.safetensors'"
 
 # The runs of record, committed under runs/ (each command re-runs its report; finished calibration jobs are kept; ~17 h
 # of one CPU core, most of it the calibration: 720 Phase-2 runs × ~15 s, 580 Phase-3 seeds (80 in each of seven
