@@ -39,18 +39,21 @@ def policy(kind):
     return model, tok, add_delta_s(model) if kind == "delta_s" else add_lora(model, r=4, seed=0)
 
 
-def _sgd(steps, beta, loss_type) -> TrainConfig:
+def _sgd(steps, beta, loss_type, micro=None) -> TrainConfig:
     "Two prompts × G 4 a step, plain SGD at a constant lr 0.5, no clipping; seed 2: one reply of 3 tokens, one of 15."
+    " `micro`: prompts per backward (1: TRL accumulates two backwards, as `train` takes two microbatches)."
     return TrainConfig(max_steps=steps, beta=beta, prompts_per_step=2, num_generations=G, optim="sgd",
                        learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=None, loss_type=loss_type, seed=2,
-                       generation=dict(max_new_tokens=16))
+                       prompts_per_microbatch=micro, generation=dict(max_new_tokens=16))
 
 
 @pytest.mark.parametrize("kind", ["delta_s", "lora"])
-@pytest.mark.parametrize("loss_type, beta", [("dr_grpo", 0.0), ("grpo", 0.0), ("dapo", 0.0), ("dr_grpo", 0.5)])
-def test_one_update_equal_in_both_engines(tmp_path, kind, loss_type, beta):
+@pytest.mark.parametrize("loss_type, beta, micro", [("dr_grpo", 0.0, None), ("grpo", 0.0, None), ("dapo", 0.0, None),
+                                                    ("dr_grpo", 0.5, None), ("dr_grpo", 0.0, 1), ("grpo", 0.0, 1),
+                                                    ("dapo", 0.0, 1)])
+def test_one_update_equal_in_both_engines(tmp_path, kind, loss_type, beta, micro):
     steps = 2 if beta else 1
-    tc = _sgd(steps, beta, loss_type)
+    tc = _sgd(steps, beta, loss_type, micro)
     model, tok, adapter = policy(kind)
     theta0 = {n: p.detach().clone() for n, p in trainable_parameters(model).items()}
     trainer = trl_trainer(model, tok, DigitTask(n=8), tc, tmp_path, adapter=adapter)
@@ -60,6 +63,7 @@ def test_one_update_equal_in_both_engines(tmp_path, kind, loss_type, beta):
     train(ours, tok2, None, tc, source=Replay(batches, G), progress=False)
     lens = (batches[0]["completion_ids"] != tok.pad_token_id).sum(1)
     assert len(batches) == steps and lens.min() < lens.max() and batches[0]["rewards"].std() > 0   # both vary
+    assert trainer.args.gradient_accumulation_steps == (2 if micro else 1)
     trl_new, our_new = trainable_parameters(model), trainable_parameters(ours)
     moved = 0
     for n, p in theta0.items():
