@@ -9,6 +9,9 @@ block=$1; first=$2; n=$3
 E=.venv/bin/entropy-grpo; B=runs/hackbed; P=$B/pools; D=$B/block$block
 LEAK=entropy_grpo.hackbed:ReferenceLeakTask; DECOY=entropy_grpo.hackbed:addend_decoy_task
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+# The package the probes and the arms import (default: PYTHONPATH's): the two may come from different frozen worktrees,
+# so that every block's Phase-2 decision is made by one version of the rules (runs/hackbed/RUNNING.md says which).
+PROBE_PATH=${PROBE_PATH:-${PYTHONPATH:-}}; ARMS_PATH=${ARMS_PATH:-${PYTHONPATH:-}}
 
 pools_of() { echo "-p teacher_pool='$P/$1-teacher' -p base_pool='$P/$1-base' -p style_pool='$P/$1-style'"; }
 
@@ -26,14 +29,14 @@ build_pools A "$LEAK" & build_pools B "$DECOY" & wait
 # probe (about 2 h 50 min of both cores) still advances the arms.
 phase2() {   # setting file-that-marks-it-done
   local task=$LEAK; [ "$1" = B ] && task=$DECOY
-  [ -f "$D/$1-phase2/$2" ] || OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 \
+  [ -f "$D/$1-phase2/$2" ] || OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 PYTHONPATH=$PROBE_PATH \
     $E probe --out "$D/$1-phase2" --seed "$first" -p task="'$task'" $(pools_of "$1")
 }
 for s in A B; do phase2 "$s" v_hack.safetensors; done
 
 sweep() {   # sweep-dir seeds... -- arms and parameters
   local dir=$1; shift
-  $E sweep --out "$D/$dir" --steps 16 --max-parallel 2 --force -p preset="'leak'" "$@"
+  PYTHONPATH=$ARMS_PATH $E sweep --out "$D/$dir" --steps 16 --max-parallel 2 --force -p preset="'leak'" "$@"
 }
 for ((s = first; s < first + n; s += 2)); do
   seeds=("$s"); [ $((s + 1)) -lt $((first + n)) ] && seeds+=("$((s + 1))")
