@@ -277,8 +277,15 @@ REQUEUE = ("requeue: on Slurm's time limit or a preemption (USR2, 90 s before) s
 class _Job:
     "A sweep's job: `run_notebook(*call)`. Ctrl-C (SIGINT) and, off Slurm, SIGTERM raise the KeyboardInterrupt it"
     " records (on Slurm SIGTERM is submitit's, which ignores a preemption's); `checkpoint` (which submitit calls on"
-    " USR2) re-queues the same call, so the run resumes from its newest checkpoint."
+    " USR2) re-queues the same call, so the run resumes from its newest checkpoint. It runs only the package the sweep"
+    " ran: a job process starts with `python -m` in the sweep's folder, whose own checkout would come first."
+    def __init__(self): self.package = str(Path(__file__).resolve().parent)   # the sweep's copy, pickled with the job
+
     def __call__(self, *call) -> dict:
+        here = str(Path(__file__).resolve().parent)
+        if here != self.package:
+            raise RuntimeError(f"this job imported entropy_grpo from {here}, the sweep that submitted it from "
+                               f"{self.package}: run the sweep in that checkout's folder or outside any checkout")
         slurm = os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
         for sig in (signal.SIGINT,) if slurm else (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.default_int_handler)
@@ -314,7 +321,7 @@ def _task_of_many(template, run_dir, params, exp, log) -> dict:
 def _outcome(call, job) -> dict:
     try: out = job.result()
     except Exception as e: out = dict(status="failed", error=f"{type(e).__name__}: {e}")   # the job itself died
-    return dict(run=Path(call[1]).name, status=out["status"])
+    return dict(run=Path(call[1]).name, status=out["status"], **{k: out[k] for k in ("error",) if k in out})
 
 # %% ../nbs/07_experiments.ipynb #ee12ee30
 def summarize(exp_dir, window:int=5) -> dict:

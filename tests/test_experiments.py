@@ -86,6 +86,20 @@ def test_failing_job_leaves_report_and_log_line_and_the_sweep_goes_on(tmp_path):
     assert out["summary"]["n_runs"] == 1 and run_status(failed) == "failed"
 
 
+def test_a_job_that_imports_another_checkout_refuses_before_its_run(tmp_path, monkeypatch):
+    "A sweep started in a folder that holds another copy of the package: its job process (`python -m`, that folder"
+    " first on its path) imports the copy and refuses before the run starts, naming both copies; no record is left."
+    import shutil, entropy_grpo
+    shutil.copytree(Path(entropy_grpo.__file__).parent, tmp_path / "other" / "entropy_grpo")
+    monkeypatch.chdir(tmp_path / "other")
+    out = run_sweep("train", [0], ["vanilla"], 1, exp="p3", out_root=tmp_path / "runs", params=dict(preset="smoke"),
+                    force=True)
+    [ran] = out["ran"]
+    assert ran["status"] == "failed" and f"imported entropy_grpo from {tmp_path / 'other' / 'entropy_grpo'}" in \
+        ran["error"], ran
+    assert not (tmp_path / "runs" / "p3" / "0-vanilla" / "metrics.json").exists()
+
+
 def test_cost_ceiling_stops_the_other_arms_without_force(tmp_path):
     "No finished first-arm run means no separation: the other arm's runs are not launched."
     out = run_sweep("train", [0], ["projected", "vanilla"], 1, exp="p3", out_root=tmp_path, params=dict(preset="smoke"))
@@ -148,7 +162,8 @@ def test_a_sweep_with_a_failed_run_exits_non_zero_and_logs_beside_its_directory(
                  "-p", "preset='smoke'", "--force"]) == 1
     [line] = (tmp_path / "elsewhere" / "LOG.md").read_text().splitlines()
     assert "| p3 | 0-projected | failed |" in line and run_status(out / "0-projected") == "failed"
-    assert json.loads(capsys.readouterr().out)["ran"] == [{"run": "0-projected", "status": "failed"}]
+    [ran] = json.loads(capsys.readouterr().out)["ran"]                    # the run's error, in one line
+    assert (ran["run"], ran["status"]) == ("0-projected", "failed") and "or teacher_pool and base_pool" in ran["error"]
 
 
 def sweep_in_background(tmp_path, steps=2):
