@@ -188,8 +188,9 @@ def reward_keys(task) -> tuple:
     "`reward` and the flags the task's grade carries (FLAGS' keys), read off one graded empty reply; a `PoolRollout`'s"
     " are its records'."
     if isinstance(task, PoolRollout): return task.keys
-    rec = task.grade_batch([[""]], task.problems[:1]).records[0][0]
-    return ("reward",) + tuple(k for k in FLAGS if k in rec)
+    return _keys_of(task.grade_batch([[""]], task.problems[:1]).records[0][0])
+
+def _keys_of(grade:dict) -> tuple: return ("reward",) + tuple(k for k in FLAGS if k in grade)
 
 # %% ../nbs/08b_trl_engine.ipynb #48356afb
 class PoolRollout:
@@ -198,8 +199,7 @@ class PoolRollout:
     " of samples, and reward functions that read each record's stored reward and flags."
     def __init__(self, source:ReplaySource, tokenizer, n_groups:int=1):   # n_groups: the step's groups, all processes
         self.source, self.tokenizer, self.n_groups = source, tokenizer, n_groups
-        rec = source.groups(0, n_groups)[0][0]
-        self.keys = ("reward",) + tuple(k for k in FLAGS if k in rec)
+        self.keys = _keys_of(source.groups(0, n_groups)[0][0])
 
     def trl_dataset(self, tokenizer=None, hint=None):
         "One placeholder prompt per group: TRL's sampler draws them, the rollout serves the step's groups instead."

@@ -9,9 +9,10 @@ block=$1; first=$2; n=$3
 E=.venv/bin/entropy-grpo; B=runs/hackbed; P=$B/pools; D=$B/block$block
 LEAK=entropy_grpo.hackbed:ReferenceLeakTask; DECOY=entropy_grpo.hackbed:addend_decoy_task
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-# The package the probes and the arms import (default: PYTHONPATH's): the two may come from different frozen worktrees,
-# so that every block's Phase-2 decision is made by one version of the rules (runs/hackbed/RUNNING.md says which).
-PROBE_PATH=${PROBE_PATH:-${PYTHONPATH:-}}; ARMS_PATH=${ARMS_PATH:-${PYTHONPATH:-}}
+# The package the probes import (default: PYTHONPATH's), so that every block's Phase-2 decision is made by one version
+# of the rules (runs/hackbed/RUNNING.md says which). The arms import the checkout this runs in: a sweep's jobs start in
+# it with `python -m`, so its package is theirs (they refuse another).
+PROBE_PATH=${PROBE_PATH:-${PYTHONPATH:-}}
 
 pools_of() { echo "-p teacher_pool='$P/$1-teacher' -p base_pool='$P/$1-base' -p style_pool='$P/$1-style'"; }
 
@@ -36,7 +37,7 @@ for s in A B; do phase2 "$s" v_hack.safetensors; done
 
 sweep() {   # sweep-dir seeds... -- arms and parameters
   local dir=$1; shift
-  PYTHONPATH=$ARMS_PATH $E sweep --out "$D/$dir" --steps 16 --max-parallel 2 --force -p preset="'leak'" "$@"
+  $E sweep --out "$D/$dir" --steps 16 --max-parallel 2 --force -p preset="'leak'" "$@"
 }
 for ((s = first; s < first + n; s += 2)); do
   seeds=("$s"); [ $((s + 1)) -lt $((first + n)) ] && seeds+=("$((s + 1))")
