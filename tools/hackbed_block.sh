@@ -6,7 +6,7 @@
 #   usage: tools/hackbed_block.sh BLOCK FIRST_SEED N      e.g. tools/hackbed_block.sh 1 1000 30
 set -euo pipefail
 block=$1; first=$2; n=$3
-E=.venv/bin/entropy-grpo; B=runs/hackbed; P=$B/pools; D=$B/block$block
+E=.venv/bin/entropy-grpo; PY=.venv/bin/python; B=runs/hackbed; P=$B/pools; D=$B/block$block
 LEAK=entropy_grpo.hackbed:ReferenceLeakTask; DECOY=entropy_grpo.hackbed:addend_decoy_task
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 # The package the probes import (default: PYTHONPATH's), so that every block's Phase-2 decision is made by one version
@@ -24,16 +24,26 @@ build_pools() {   # setting task
 }
 build_pools A "$LEAK" & build_pools B "$DECOY" & wait
 
-# Phase 2 per setting (two threads: one probe at a time), done when its report.ipynb is. The arms need only its
-# v_hack.safetensors, which the probe writes in its first minutes (a re-run writes the same tensors): a setting with one
-# goes on to the arms, and its report is completed after the block's seeds, so that a session too short for a whole
-# probe (about 2 h 50 min of both cores) still advances the arms.
-phase2() {   # setting file-that-marks-it-done
+# Phase 2 per setting (two threads: one probe at a time), done when its run.json says ok. The arms need only its
+# v_hack.safetensors, which the probe writes in its first minutes (a re-run writes the same tensors): each setting's
+# probe runs first until it has saved one, and the reports are completed after the block's seeds, so that a session
+# too short for a whole probe (about 2 h 50 min of both cores) still advances the arms.
+probe() {   # setting
   local task=$LEAK; [ "$1" = B ] && task=$DECOY
-  [ -f "$D/$1-phase2/$2" ] || OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 PYTHONPATH=$PROBE_PATH \
+  OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 PYTHONPATH=$PROBE_PATH \
     $E probe --out "$D/$1-phase2" --seed "$first" -p task="'$task'" $(pools_of "$1")
 }
-for s in A B; do phase2 "$s" v_hack.safetensors; done
+# The probe until it has saved its v_hack (written atomically), then stopped: its report is completed below.
+first_fit() {   # setting
+  local v=$D/$1-phase2/v_hack.safetensors
+  [ -f "$v" ] && return
+  export -f probe pools_of; export E D P LEAK DECOY first PROBE_PATH
+  setsid bash -c "probe $1" & local pid=$!   # its own process group: the probe's kernel stops with it
+  while [ ! -f "$v" ] && kill -0 "$pid" 2>/dev/null; do sleep 5; done
+  kill -- -"$pid" 2>/dev/null || true; wait "$pid" || true
+  [ -f "$v" ] || { echo "setting $1's probe ended without a v_hack" >&2; exit 1; }
+}
+for s in A B; do first_fit "$s"; done
 
 sweep() {   # sweep-dir seeds... -- arms and parameters
   local dir=$1; shift
@@ -46,4 +56,5 @@ for ((s = first; s < first + n; s += 2)); do
   sweep random --seeds "${seeds[@]}" --arms projected -p v_hack_source="'random'" $(pools_of A)
   sweep lora --seeds "${seeds[@]}" --arms vanilla_lora projected_lora $(pools_of A)
 done
-for s in A B; do phase2 "$s" report.ipynb; done
+finished() { $PY -c "import json, sys; sys.exit(json.load(open('$1/run.json'))['state'] != 'ok')" 2>/dev/null; }
+for s in A B; do finished "$D/$s-phase2" || probe "$s"; done
