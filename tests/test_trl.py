@@ -644,7 +644,7 @@ def test_on_a_gpu_the_probes_added_peak_is_within_the_prediction(peft, tiny, tmp
 def _two_process_run(rank, world, port, out_dir):
     "One of two CPU processes of a TRL run under accelerate (gloo, as torchrun sets it up) with the probe every step:"
     " its E, θ and θ⁺ per step and the probe's history, saved per rank."
-    import os, sys
+    import gc, os, sys
     sys.path.insert(0, os.path.dirname(__file__))
     from entropy_grpo.policies import tiny_policy
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -657,6 +657,8 @@ def _two_process_run(rank, world, port, out_dir):
     trainer.train()
     torch.save(dict(steps=rec.steps, history=probe.history, world=trainer.accelerator.num_processes),
                os.path.join(out_dir, f"rank{rank}.pt"))
+    del trainer, probe, rec
+    gc.collect()                                    # the DDP wrapper's hold on the group goes before the group
     torch.distributed.destroy_process_group()
 
 

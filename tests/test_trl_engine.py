@@ -108,6 +108,7 @@ def _two_process_worker(rank, world, port, out):
         trainer.train()
         torch.save(dict(batch=batches[0], params={n: p.detach() for n, p in trainable_parameters(model).items()}),
                    os.path.join(out, f"rank{rank}.pt"))
+        del trainer                                     # garbage before the group goes (gloo_group)
 
 
 def test_two_processes_take_the_one_process_update_of_their_joined_batch(tmp_path):
