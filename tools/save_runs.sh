@@ -10,7 +10,7 @@
 set -euo pipefail
 src=$1/runs; shift
 ok() { grep -q '"state": "ok"' "$1/run.json" 2>/dev/null; }
-copy() { tar -C "$src" -cf - --exclude=checkpoints --exclude=.lock "$1" | tar -C runs -xf -; }
+copy() { tar -C "$src" -cf - --exclude=checkpoints --exclude=.lock --exclude='.*.tmp' "$1" | tar -C runs -xf -; }
 for d in "$@"; do
   while IFS= read -r p; do copy "${p#"$src"/}"; done < <(find "$src/$d" -type d -name pools -prune)
   while IFS= read -r j; do
