@@ -16,11 +16,12 @@ from .dr_grpo import policy_gradient_backward
 from .policies import (convert_default_policy, policy_by_name, set_checkpointing, tiny_policy,
                                    wants_checkpointing)
 from .phase2_run import PROBE_TF_BATCH, Phase2Config
-from .phase3_run import PRESETS
+from .phase3_run import ENGINES, PRESETS
 from .probe_state import probe_checkpointing
 from .projection_arms import ARM_ADAPTER
 from .sequence_processor import BatchedSequences, GenerationConfig, SequenceProcessor
 from .training import TrainConfig, build_optimizer
+from .trl_engine import trl_microbatch
 from .memory import act_token_layer, activation_bytes, head_bytes
 from .utils import check_choice, markdown_table
 
@@ -81,6 +82,8 @@ class RunShape:
     probe_microbatch:int=max(1, PROBE_TF_BATCH // Phase2Config.G) * Phase2Config.G   # sequences per float64 pass
     n_pairs:int=64                    # (hack, clean) pairs behind v_hack
     gpu_gb:float=80                   # the GPU's memory, GB (1e9 bytes)
+    engine:str="package"              # Phase 3's engine: "package" (`train`) | "trl" (TRL's GRPOTrainer)
+    vllm_share:float=0.3              # engine "trl": TRL's vllm_gpu_memory_utilization (its default); 0: no vLLM
 
 # %% ../nbs/07b_plan.ipynb #17371472
 def _adapter(s:dict, adapter:str, w:int) -> tuple[int, int, int]:
@@ -109,24 +112,36 @@ def _probe_phase(s:dict, run:RunShape, ckpt:bool) -> tuple:
             f"{run.probe_microbatch} sequences per pass; checkpointing {'on' if ckpt else 'off'}")
 
 # %% ../nbs/07b_plan.ipynb #dd825fbc
+def _generation(s:dict, run:RunShape, n_seq:int, ctx:int) -> tuple[dict, str, float]:
+    "(terms, note, bytes held beside the training step): `generate` calls of `gen_batch_size` sequences (TRL: of all"
+    " n_seq), or TRL's colocated vLLM, whose share of the GPU stays taken through the run."
+    check_choice("engine", run.engine, ENGINES)
+    if run.engine == "trl" and run.vllm_share > 0:
+        share = run.vllm_share * run.gpu_gb * 1e9
+        return dict(vllm=share), f"TRL's colocated vLLM: {run.vllm_share:g} of the GPU, held through the run", share
+    w = BYTES[run.dtype]
+    per_call = n_seq if run.engine == "trl" else min(max(1, run.gen_batch_size // run.G) * run.G, n_seq)
+    gen = dict(kv=per_call * ctx * 2 * s["layers"] * s["d_kv"] * w,
+               prefill=per_call * run.prompt_len * act_token_layer(s, w), logits=3 * 4 * per_call * s["vocab"])
+    return gen, f"{math.ceil(n_seq / per_call)} generate call(s) of {per_call} sequences", 0
+
+# %% ../nbs/07b_plan.ipynb #140fee0d
 def plan_phases(s:dict, run:RunShape) -> list[dict]:
     "Per phase: peak memory (bytes), FLOPs and the main terms, for model counts `s` and run `run`."
     w, P, L = BYTES[run.dtype], s["params"], s["layers"]
     ctx, n_seq, W = run.prompt_len + run.max_new_tokens, run.prompts_per_step * run.G, s["params"] * BYTES[run.dtype]
     trainable, extra, per_param = _adapter(s, run.adapter, w)
-    per_call = min(max(1, run.gen_batch_size // run.G) * run.G, n_seq)
-    gen = dict(kv=per_call * ctx * 2 * L * s["d_kv"] * w, prefill=per_call * run.prompt_len * act_token_layer(s, w),
-               logits=3 * 4 * per_call * s["vocab"])
+    gen, gen_note, vllm = _generation(s, run, n_seq, ctx)
     ckpt = wants_checkpointing(P, run.gradient_checkpointing)
-    mb_seq = (run.prompts_per_microbatch or max(1, run.tf_batch_size // run.G)) * run.G     # sequences per backward
+    mb_seq = trl_microbatch(n_seq, run.G, run.tf_batch_size, run.prompts_per_microbatch) if run.engine == "trl" \
+        else (run.prompts_per_microbatch or max(1, run.tf_batch_size // run.G)) * run.G   # sequences per backward
     trn = dict(state=trainable * per_param, activations=activation_bytes(s, mb_seq * ctx, w, ckpt),
                head=head_bytes(s, mb_seq * run.max_new_tokens, 4, run.head_chunk_size),
-               reference=W if run.beta > 0 and run.adapter == "none" else 0)
+               reference=W if run.beta > 0 and run.adapter == "none" else 0, vllm=vllm)
     vh = dict(activations=2 * 2 * ctx * L * act_token_layer(s, w), gradients=2 * 2 * trainable * 4,  # 2 outputs
               head=head_bytes(s, 2 * run.max_new_tokens, 4, run.head_chunk_size))
     T, T_v = n_seq * ctx, 2 * run.n_pairs * ctx
-    rows = [("generation", gen, extra, 2 * P * T + _attn_flops(s, n_seq, ctx),
-             f"{math.ceil(n_seq / per_call)} generate call(s) of {per_call} sequences"),
+    rows = [("generation", gen, extra, 2 * P * T + _attn_flops(s, n_seq, ctx), gen_note),
             ("training step", trn, extra, (8 + 2 * ckpt + 2 * (run.beta > 0)) * P * T + 4 * _attn_flops(s, n_seq, ctx),
              f"backward over {mb_seq} sequences; checkpointing {'on' if ckpt else 'off'}"),
             _probe_phase(s, run, probe_checkpointing(P, torch.float64, run.gradient_checkpointing)),
@@ -199,6 +214,11 @@ def plan_hours(phases:list[dict], device:str, steps:int=200) -> dict:
                 probe_h=f["entropy probe"] / rate["entropy probe"] / 3600)
 
 # %% ../nbs/07b_plan.ipynb #a3441af5
+def _engine_words(run:dict) -> str:
+    if run["engine"] != "trl": return ""
+    return ", on TRL's engine" + (f" with vLLM colocated ({run['vllm_share']:g} of the GPU)" if run["vllm_share"] > 0
+                                  else " without vLLM")
+
 def plan_report(p:dict) -> str:
     "The plan as text: the model's figures, one table row per phase, and the verdict for the GPU."
     s, run = p["shape"], p["run"]
@@ -209,7 +229,7 @@ def plan_report(p:dict) -> str:
              f"{act_token_layer(s, w) / 1e3:.1f} KB per token and layer, float64 copy {s['params'] * 8 / 1e9:.1f} GB",
              f"run: {run['prompts_per_step']} prompts × G {run['G']}, {run['prompt_len']} + {run['max_new_tokens']} "
              f"tokens, adapter {run['adapter']}" + (f" r {run['lora_r']}" if run["adapter"] == "lora" else "") +
-             f", beta {run['beta']:g}", ""]
+             f", beta {run['beta']:g}" + _engine_words(run), ""]
     rows = [dict(phase=r["phase"], GB=r["bytes"] / 1e9, TFLOP=r["flops"] / 1e12, fits="yes" if r["fits"] else "NO",
                  terms_GB=", ".join([f"weights {r['weights'] / 1e9:.2f}"] +
                                     [f"{k} {v / 1e9:.2f}" for k, v in r["parts"].items() if v]), note=r["note"])

@@ -60,3 +60,23 @@ def test_smollm2_estimate_within_30_percent_of_measured_cpu_peak():
     est = next(r for r in plan(run)["phases"] if r["phase"] == "training step")
     got = measure_cpu_peak(run)
     assert abs((est["bytes"] - est["weights"]) / got - 1) < 0.3, (est["bytes"] - est["weights"], got)
+
+
+def test_trl_engine_holds_vllms_share_beside_the_packages_terms_at_trls_batch(capsys):
+    "Qwen3-4B's full preset on TRL's engine: the training step backs through `trl_microbatch`'s 6 of the 258 sequences"
+    " (the largest divisor up to 12; the package takes 12) with the colocated vLLM's share (TRL's default) beside it;"
+    " without vLLM, generation is one call of all 258. v_hack (fitted before the trainer) is the package's."
+    from trl import GRPOConfig
+    from entropy_grpo.plan import RunShape
+    assert RunShape().vllm_share == GRPOConfig.__dataclass_fields__["vllm_gpu_memory_utilization"].default
+    pkg, trl, bare, pkg6 = ({r["phase"]: r for r in plan(dict(preset="full", **kw))["phases"]} for kw in
+                            ({}, dict(engine="trl"), dict(engine="trl", vllm_share=0), dict(prompts_per_microbatch=1)))
+    share = RunShape().vllm_share * 80e9
+    assert trl["generation"]["parts"] == dict(vllm=share) and trl["training step"]["parts"]["vllm"] == share
+    assert trl["training step"]["bytes"] == bare["training step"]["bytes"] + share
+    assert bare["training step"]["bytes"] == pkg6["training step"]["bytes"] < pkg["training step"]["bytes"]
+    assert "backward over 6 sequences" in bare["training step"]["note"]
+    assert bare["generation"]["note"] == "1 generate call(s) of 258 sequences" and pkg["v_hack"] == trl["v_hack"]
+    assert main(["plan", "-p", "preset='full'", "-p", "engine='trl'"]) == 0
+    assert "on TRL's engine with vLLM colocated (0.3 of the GPU)" in capsys.readouterr().out
+    test_fail(lambda: plan(dict(preset="full", engine="vllm")), contains="engine='vllm': expected one of", exc=ValueError)

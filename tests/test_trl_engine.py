@@ -246,3 +246,19 @@ def test_a_pool_rollout_names_a_batch_that_is_not_its_groups(tmp_path):
     rollout = PoolRollout(ReplaySource(planted_pools(tok), [3, 5], 4), tok, n_groups=2)
     with pytest.raises(ValueError, match=r"8 prompt rows on each of 1 processes: expected 2 groups of G = 8"):
         trl_trainer(model, tok, rollout, tc, tmp_path, adapter).train()
+
+
+def test_trl_generates_a_steps_sequences_in_one_call_as_the_plan_says(tmp_path):
+    "`plan` on TRL's engine without vLLM: one `generate` call over all of a process's sequences, backwards over"
+    " `trl_microbatch`'s batch. TRL's own calls, counted: one of 2 prompts × G 4 = 8 rows a step."
+    from entropy_grpo.plan import plan
+    model, tok, adapter = policy("delta_s")
+    rows, generate = [], model.generate
+    model.generate = lambda *a, **kw: rows.append(kw["input_ids"].shape[0]) or generate(*a, **kw)
+    trl_trainer(model, tok, DigitTask(n=8), _sgd(2, 0.0, "dr_grpo", micro=1), tmp_path, adapter).train()
+    assert rows == [8, 8]
+    shape = dict(preset="smoke", model="tiny", engine="trl", vllm_share=0, prompts_per_step=2, G=G,
+                 prompts_per_microbatch=1, max_new_tokens=16)
+    notes = {r["phase"]: r["note"] for r in plan(shape)["phases"]}
+    assert notes["generation"] == "1 generate call(s) of 8 sequences" and "backward over 4 sequences" in notes[
+        "training step"]
