@@ -4,7 +4,7 @@
 
 # %% ../nbs/06f_gate.ipynb #b2d0f004
 from __future__ import annotations
-import math, statistics
+import itertools, math, statistics
 from statistics import NormalDist
 
 import numpy as np
@@ -12,8 +12,8 @@ import numpy as np
 from .utils import welch
 
 # %% auto #0
-__all__ = ['GATE_Q', 'GATE_EFFECT', 'GATE_POWER', 'COINCIDE', 'TOO_FEW', 'own_direction', 'hack_contrast', 'gate_power',
-           'samples_needed']
+__all__ = ['GATE_Q', 'EXACT_UP_TO', 'GATE_EFFECT', 'GATE_POWER', 'COINCIDE', 'TOO_FEW', 'own_direction', 'hack_contrast',
+           'gate_null', 'gate_power', 'samples_needed']
 
 # %% ../nbs/06f_gate.ipynb #b2d0f007
 def _fmt(x, spec=".3f"):
@@ -73,11 +73,38 @@ def _strata_null(x:list, is_a:list, strata:list, n:int=1000, seed:int=0) -> np.n
     "Welch t of side a vs side b with the labels permuted within each stratum (a step), n times: [n]."
     return _welch_t(np.asarray(x, float), _strata_masks(is_a, strata, n, seed))
 
+def _all_strata_masks(is_a:list, strata:list) -> np.ndarray:
+    "[K, N] every labelling that keeps each stratum's count of each label, the observed one among them."
+    is_a, strata = np.asarray(is_a, bool), np.asarray(strata)
+    groups = [np.flatnonzero(strata == s) for s in np.unique(strata)]
+    picks = [list(itertools.combinations(g, int(is_a[g].sum()))) for g in groups]
+    L = np.zeros((math.prod(map(len, picks)), len(is_a)), bool)
+    for row, pick in enumerate(itertools.product(*picks)): L[row, [i for c in pick for i in c]] = True
+    return L
+
 GATE_Q = 0.995       # the gate's null quantile: a null world passes it once in 200 runs
+EXACT_UP_TO = 20_000 # the gate's null enumerates every labelling up to this many, else samples 2000
 GATE_EFFECT = 1.0    # the smallest hacked − clean difference along v_hack (pooled SDs) the gate must be able to see
 GATE_POWER = 0.8     # ... with this power, or it does not judge
 
 # %% ../nbs/06f_gate.ipynb #a51149bb
+def gate_null(
+    x:list, is_a:list, strata:list,    # values, side a (hacked) or b, their strata (steps)
+    n:int=2000, seed:int=0,            # draws when there are more than EXACT_UP_TO labellings
+) -> tuple[np.ndarray, float, str]:    # (null t's, one-sided p of the observed Welch t, how the null was made)
+    "The observed labelling's Welch t against every labelling that keeps each stratum's counts (exact p: the share"
+    " reaching it, itself included) or, above EXACT_UP_TO of them, n seeded draws ((1 + hits) / (n + 1)). A null t"
+    " within 1e-9 (relative) of the observed one reaches it: ties are decided by counting, never by rounding."
+    x, is_a = np.asarray(x, float), np.asarray(is_a, bool)
+    t = _welch_t(x, is_a[None])[0]
+    groups = [np.asarray(is_a)[np.asarray(strata) == s] for s in np.unique(strata)]
+    K = math.prod(math.comb(len(g), int(g.sum())) for g in groups)
+    exact = K <= EXACT_UP_TO
+    null = _welch_t(x, _all_strata_masks(is_a, strata) if exact else _strata_masks(is_a, strata, n, seed))
+    hits = int(np.sum(null >= t - 1e-9 * abs(t))) if np.isfinite(t) else len(null)
+    p = hits / K if exact else (1 + hits) / (n + 1)
+    return null, min(1.0, p), f"all {K} labellings within steps" if exact else f"labels permuted within steps {n}×"
+
 def gate_power(n_a:int, n_b:int, effect:float=GATE_EFFECT, q:float=GATE_Q) -> float:
     "Power of the gate's one-sided test at `effect` pooled SDs with n_a hacked and n_b clean samples (normal approx.)."
     if min(n_a, n_b) < 2: return 0.0
@@ -115,12 +142,12 @@ def _specific_row(arm, slim, teacher, clean, alpha, effect, G):
     metric = f"own direction sign(A)·cos_S_contrib, {teacher}/hacked vs {clean}/clean (held out)"
     value = (f"hacked {_fmt(w['mean_a'])} (n={w['n_a']}) vs clean {_fmt(w['mean_b'])} (n={w['n_b']}); "
              f"Welch t={_fmt(w['t'], '.2f')}, p={_fmt(w['p'], '.2g')}; power {power:.0%} at {effect:g} SD")
-    t_hi = null = None
+    p_perm, null, fewest = 1.0, None, 0.0
     if power >= GATE_POWER:
-        null_t = _strata_null(a + b, [True] * len(a) + [False] * len(b), [s for _, s in A + B], n=2000)
-        t_hi = float(np.nanquantile(null_t, GATE_Q)) if np.isfinite(null_t).any() else None
-        null = f"labels permuted within steps 2000×: t {GATE_Q:.1%} quantile {_fmt(t_hi, '.2f')}"
-    t_crit = max(2.0, NormalDist().inv_cdf(GATE_Q) if t_hi is None else t_hi)
+        null_t, p_perm, how = gate_null(a + b, [True] * len(a) + [False] * len(b), [s for _, s in A + B])
+        fewest = 1 / len(null_t) if how.startswith("all") else 1 / (len(null_t) + 1)   # the smallest p it can give
+        q_t = np.nanquantile(null_t, GATE_Q) if np.isfinite(null_t).any() else None
+        null = f"{how}: one-sided p {_fmt(p_perm, '.2g')} (t {GATE_Q:.1%} quantile {_fmt(q_t, '.2f')})"
     decides, n = _to_decide(len(a), clean, teacher, effect)
     row = lambda verdict, detail: dict(_row("hack_specific", metric, arm, value, null, verdict, detail),
                                        to_decide=None if verdict == "success" else decides, needed=n)
@@ -131,7 +158,10 @@ def _specific_row(arm, slim, teacher, clean, alpha, effect, G):
     if power < GATE_POWER:
         return row("inconclusive", f"{TOO_FEW}: {len(a)} hacked and {len(b)} clean samples in the teacher's style "
                    f"give the gate {power:.0%} power; {decides}")
-    if w["t"] > t_crit and w["p"] < alpha: return row("success", "")
+    if w["t"] > 2.0 and p_perm < 1 - GATE_Q and w["p"] < alpha: return row("success", "")
+    if fewest >= 1 - GATE_Q:
+        return row("inconclusive", f"{TOO_FEW}: the steps' labels allow only {round(1 / fewest)} labellings, so no "
+                   f"permutation p can fall below {1 - GATE_Q:.1%}; {decides}")
     return row("likely fail", f"hacked and clean samples in the teacher's style alike along v_hack: it marks the "
                f"teacher{' pool' if clean == teacher else ''}, not hacking; {decides}")
 

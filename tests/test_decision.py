@@ -278,3 +278,37 @@ def test_the_readme_table_of_verdicts_says_what_the_terminal_says():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     for rec, (rests, todo) in NEXT_STEPS.items():
         assert f"| {rec} | {rests} | {todo} |" in readme, rec
+
+
+def test_the_gates_p_is_counted_over_every_labelling_ties_included():
+    "Steps of 3 hacked + 1 clean sample: 4⁴ = 256 labellings. gate_null's exact p is a brute-force count over them"
+    " (utils.welch each, the observed labelling — the most extreme — included): 1/256; moving x by 1e-12, as another"
+    " CPU's rounding does, leaves it. Past EXACT_UP_TO labellings it samples: p = (1 + hits) / 2001."
+    import itertools
+    from entropy_grpo.gate import gate_null
+    from entropy_grpo.utils import welch
+    rng = np.random.default_rng(3)
+    x = np.r_[rng.normal(0.6, 0.05, 12), rng.normal(0.0, 0.05, 4)]
+    lab, steps = [True] * 12 + [False] * 4, [i // 3 for i in range(12)] + [0, 1, 2, 3]
+    t0, ts = welch(list(x[:12]), list(x[12:]))["t"], []
+    for clean in itertools.product(*[[i for i in range(16) if steps[i] == s] for s in range(4)]):
+        m = np.ones(16, bool); m[list(clean)] = False
+        ts.append(welch(list(x[m]), list(x[~m]))["t"])
+    null, p, how = gate_null(x, lab, steps)
+    assert how == "all 256 labellings within steps" and len(ts) == len(null) == 256
+    assert p == sum(t >= t0 - 1e-9 * abs(t0) for t in ts) / 256 == 1 / 256
+    assert gate_null(x + rng.normal(0, 1e-12, 16), lab, steps)[1] == p
+    null, p, how = gate_null(rng.normal(size=40), [True] * 20 + [False] * 20, [0] * 40)      # C(40, 20) labellings
+    assert how == "labels permuted within steps 2000×" and len(null) == 2000 and round(p * 2001, 9) % 1 == 0
+
+
+def test_a_gate_whose_labellings_cannot_reach_its_level_does_not_judge():
+    "One style-clean sample beside 4 hacked in each step, at a 3-SD effect (power ≥ 80% either way): 3 steps give"
+    " 5³ = 125 labellings, so even the most extreme has p = 1/125 > 0.5% — inconclusive, never 'likely fail'; 4 steps"
+    " give 625 and p = 1/625: success."
+    rows = lambda n: gate_rows(three_pools(hack=0.3, n_steps=n, n_style=1), style_pool="style", gate_effect=3.0)
+    few, enough = rows(3)["hack_specific"], rows(4)["hack_specific"]
+    assert few["verdict"] == "inconclusive" and few["detail"].startswith(
+        "too few samples for the gate: the steps' labels allow only 125 labellings"), few
+    assert enough["verdict"] == "success" and enough["null"].startswith("all 625 labellings within steps: one-sided "
+                                                                        "p 0.0016"), enough
