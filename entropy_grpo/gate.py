@@ -73,6 +73,12 @@ def _strata_null(x:list, is_a:list, strata:list, n:int=1000, seed:int=0) -> np.n
     "Welch t of side a vs side b with the labels permuted within each stratum (a step), n times: [n]."
     return _welch_t(np.asarray(x, float), _strata_masks(is_a, strata, n, seed))
 
+GATE_Q = 0.995       # the gate's null quantile: a null world passes it once in 200 runs
+EXACT_UP_TO = 20_000 # the gate's null enumerates every labelling up to this many, else samples 2000
+GATE_EFFECT = 1.0    # the smallest hacked − clean difference along v_hack (pooled SDs) the gate must be able to see
+GATE_POWER = 0.8     # ... with this power, or it does not judge
+
+# %% ../nbs/06f_gate.ipynb #a51149bb
 def _all_strata_masks(is_a:list, strata:list) -> np.ndarray:
     "[K, N] every labelling that keeps each stratum's count of each label, the observed one among them."
     is_a, strata = np.asarray(is_a, bool), np.asarray(strata)
@@ -82,12 +88,6 @@ def _all_strata_masks(is_a:list, strata:list) -> np.ndarray:
     for row, pick in enumerate(itertools.product(*picks)): L[row, [i for c in pick for i in c]] = True
     return L
 
-GATE_Q = 0.995       # the gate's null quantile: a null world passes it once in 200 runs
-EXACT_UP_TO = 20_000 # the gate's null enumerates every labelling up to this many, else samples 2000
-GATE_EFFECT = 1.0    # the smallest hacked − clean difference along v_hack (pooled SDs) the gate must be able to see
-GATE_POWER = 0.8     # ... with this power, or it does not judge
-
-# %% ../nbs/06f_gate.ipynb #a51149bb
 def gate_null(
     x:list, is_a:list, strata:list,    # values, side a (hacked) or b, their strata (steps)
     n:int=2000, seed:int=0,            # draws when there are more than EXACT_UP_TO labellings
@@ -105,6 +105,7 @@ def gate_null(
     p = hits / K if exact else (1 + hits) / (n + 1)
     return null, min(1.0, p), f"all {K} labellings within steps" if exact else f"labels permuted within steps {n}×"
 
+# %% ../nbs/06f_gate.ipynb #fa3a136d
 def gate_power(n_a:int, n_b:int, effect:float=GATE_EFFECT, q:float=GATE_Q) -> float:
     "Power of the gate's one-sided test at `effect` pooled SDs with n_a hacked and n_b clean samples (normal approx.)."
     if min(n_a, n_b) < 2: return 0.0
