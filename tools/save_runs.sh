@@ -3,7 +3,8 @@
 # Run from this checkout with the record's worktree (where its command runs) and the folders under runs/ it writes.
 # Copied into this checkout's runs/ and committed: every pools/ folder, every finished run (its run.json says ok;
 # checkpoints left out) and, from a Phase-2 run not finished yet, its v_hack.safetensors — run.json, pools and
-# Phase-2 v_hack tensors included, which git ignores elsewhere. Nothing is read: no metric is printed.
+# Phase-2 v_hack tensors included, which git ignores elsewhere; nothing else staged is committed. Nothing is
+# read: no metric is printed.
 # To resume on a new machine: copy those folders from here into a fresh worktree of the record's commit and re-run
 # its command (the folder's RUNNING.md); finished runs are skipped.
 #   usage: tools/save_runs.sh WORKTREE RUNS_FOLDER...    e.g. tools/save_runs.sh ../bed hackbed
@@ -11,6 +12,7 @@ set -euo pipefail
 src=$1/runs; shift
 ok() { grep -q '"state": "ok"' "$1/run.json" 2>/dev/null; }
 copy() { tar -C "$src" -cf - --exclude=checkpoints --exclude=.lock --exclude='.*.tmp' "$1" | tar -C runs -xf -; }
+mkdir -p runs
 for d in "$@"; do
   while IFS= read -r p; do copy "${p#"$src"/}"; done < <(find "$src/$d" -type d -name pools -prune)
   while IFS= read -r j; do
@@ -22,4 +24,6 @@ for d in "$@"; do
     xargs -0 -r git add -f
   git add "runs/$d"
 done
-git diff --cached --quiet || git commit -qm "runs/$*: finished files so far (pools, Phase-2 v_hack, finished runs; not read)"
+paths=("${@/#/runs/}")   # only these are committed: anything else staged stays staged
+git diff --cached --quiet -- "${paths[@]}" ||
+  git commit -qm "runs/$*: finished files so far (pools, Phase-2 v_hack, finished runs; not read)" -- "${paths[@]}"
