@@ -135,6 +135,15 @@ def _to_decide(n_a:int, clean:str, teacher:str, effect:float=GATE_EFFECT) -> tup
             f"{effect:g} pooled SD, one-sided {1 - GATE_Q:.1%}; fixed in advance)"), nb
 
 # %% ../nbs/06f_gate.ipynb #b437bdb5
+def _null(A:list, B:list) -> tuple[float, str, float]:
+    "The gate's within-step null of (value, step) pairs, A hacked and B clean: (one-sided p, its description, the"
+    " smallest p it can give)."
+    null_t, p, how = gate_null([x for x, _ in A + B], [True] * len(A) + [False] * len(B), [s for _, s in A + B])
+    q_t = np.nanquantile(null_t, GATE_Q) if np.isfinite(null_t).any() else None
+    fewest = 1 / len(null_t) if how.startswith("all") else 1 / (len(null_t) + 1)
+    return p, f"{how}: one-sided p {_fmt(p, '.2g')} (t {GATE_Q:.1%} quantile {_fmt(q_t, '.2f')})", fewest
+
+# %% ../nbs/06f_gate.ipynb #061fb348
 def _specific_row(arm, slim, teacher, clean, alpha, effect, G):
     "The gate: hacked teacher samples vs clean samples in the teacher's style, labels permuted within steps."
     A, B = _own(slim, G, teacher, True), _own(slim, G, clean, False)
@@ -143,12 +152,7 @@ def _specific_row(arm, slim, teacher, clean, alpha, effect, G):
     metric = f"own direction sign(A)·cos_S_contrib, {teacher}/hacked vs {clean}/clean (held out)"
     value = (f"hacked {_fmt(w['mean_a'])} (n={w['n_a']}) vs clean {_fmt(w['mean_b'])} (n={w['n_b']}); "
              f"Welch t={_fmt(w['t'], '.2f')}, p={_fmt(w['p'], '.2g')}; power {power:.0%} at {effect:g} SD")
-    p_perm, null, fewest = 1.0, None, 0.0
-    if power >= GATE_POWER:
-        null_t, p_perm, how = gate_null(a + b, [True] * len(a) + [False] * len(b), [s for _, s in A + B])
-        fewest = 1 / len(null_t) if how.startswith("all") else 1 / (len(null_t) + 1)   # the smallest p it can give
-        q_t = np.nanquantile(null_t, GATE_Q) if np.isfinite(null_t).any() else None
-        null = f"{how}: one-sided p {_fmt(p_perm, '.2g')} (t {GATE_Q:.1%} quantile {_fmt(q_t, '.2f')})"
+    p_perm, null, fewest = _null(A, B) if power >= GATE_POWER else (1.0, None, 0.0)
     decides, n = _to_decide(len(a), clean, teacher, effect)
     row = lambda verdict, detail: dict(_row("hack_specific", metric, arm, value, null, verdict, detail),
                                        to_decide=None if verdict == "success" else decides, needed=n)
@@ -161,6 +165,8 @@ def _specific_row(arm, slim, teacher, clean, alpha, effect, G):
                    f"give the gate {power:.0%} power; {decides}")
     if w["t"] > 2.0 and p_perm < 1 - GATE_Q and w["p"] < alpha: return row("success", "")
     if fewest >= 1 - GATE_Q:
+        decides = (f"more clean samples in the steps, so that their labels allow at least {math.ceil(1 / (1 - GATE_Q))} "
+                   "labellings")
         return row("inconclusive", f"{TOO_FEW}: the steps' labels allow only {round(1 / fewest)} labellings, so no "
                    f"permutation p can fall below {1 - GATE_Q:.1%}; {decides}")
     return row("likely fail", f"hacked and clean samples in the teacher's style alike along v_hack: it marks the "

@@ -310,5 +310,7 @@ def test_a_gate_whose_labellings_cannot_reach_its_level_does_not_judge():
     few, enough = rows(3)["hack_specific"], rows(4)["hack_specific"]
     assert few["verdict"] == "inconclusive" and few["detail"].startswith(
         "too few samples for the gate: the steps' labels allow only 125 labellings"), few
+    assert few["to_decide"] == "more clean samples in the steps, so that their labels allow at least 200 labellings"
+    assert decide(list(rows(3).values()))["recommendation"] == "inconclusive: too few samples for the gate"
     assert enough["verdict"] == "success" and enough["null"].startswith("all 625 labellings within steps: one-sided "
                                                                         "p 0.0016"), enough
