@@ -183,7 +183,8 @@ def plan(params:dict|None=None) -> dict:
     s = model_shape(m, run.lora_r)
     phases = plan_phases(s, run)
     return dict(model=model, run=dataclasses.asdict(run), shape=s, phases=phases,
-                hours=plan_hours(phases, device, steps))
+                hours=plan_hours(phases, device, steps) if run.engine == "package" else
+                dict(device=device, measured=False, engine=run.engine))
 
 # %% ../nbs/07b_plan.ipynb #ff2f01de
 def this_device() -> str:
@@ -246,6 +247,9 @@ def plan_report(p:dict) -> str:
 # %% ../nbs/07b_plan.ipynb #2610a0e2
 def hours_report(h:dict) -> str:
     "The hours as a sentence, with where their throughput was measured; or why there are none."
+    if h.get("engine") == "trl":
+        return ("Hours: none for TRL's engine — throughput.json holds the package's loop only, and TRL's step is not "
+                "the package's (vLLM generates on a GPU).")
     if not h["measured"]:
         return (f"Hours: no throughput measured on {h['device']!r} (throughput.json has no record of it; -p "
                 "device='<a measured device>' gives that device's hours).")

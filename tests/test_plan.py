@@ -78,5 +78,7 @@ def test_trl_engine_holds_vllms_share_beside_the_packages_terms_at_trls_batch(ca
     assert "backward over 6 sequences" in bare["training step"]["note"]
     assert bare["generation"]["note"] == "1 generate call(s) of 258 sequences" and pkg["v_hack"] == trl["v_hack"]
     assert main(["plan", "-p", "preset='full'", "-p", "engine='trl'"]) == 0
-    assert "on TRL's engine with vLLM colocated (0.3 of the GPU)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "on TRL's engine with vLLM colocated (0.3 of the GPU)" in out and "Hours: none for TRL's engine" in out
+    assert not plan(dict(preset="full", engine="trl", device="NVIDIA H100 80GB HBM3"))["hours"]["measured"]
     test_fail(lambda: plan(dict(preset="full", engine="vllm")), contains="engine='vllm': expected one of", exc=ValueError)
