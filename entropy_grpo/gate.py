@@ -95,15 +95,14 @@ def gate_null(
     "The observed labelling's Welch t against every labelling that keeps each stratum's counts (exact p: the share"
     " reaching it, itself included) or, above EXACT_UP_TO of them, n seeded draws ((1 + hits) / (n + 1)). A null t"
     " within 1e-9 (relative) of the observed one reaches it: ties are decided by counting, never by rounding."
-    x, is_a = np.asarray(x, float), np.asarray(is_a, bool)
+    x, is_a, strata = np.asarray(x, float), np.asarray(is_a, bool), np.asarray(strata)
     t = _welch_t(x, is_a[None])[0]
-    groups = [np.asarray(is_a)[np.asarray(strata) == s] for s in np.unique(strata)]
-    K = math.prod(math.comb(len(g), int(g.sum())) for g in groups)
+    K = math.prod(math.comb(int((strata == s).sum()), int(is_a[strata == s].sum())) for s in np.unique(strata))
     exact = K <= EXACT_UP_TO
     null = _welch_t(x, _all_strata_masks(is_a, strata) if exact else _strata_masks(is_a, strata, n, seed))
     hits = int(np.sum(null >= t - 1e-9 * abs(t))) if np.isfinite(t) else len(null)
     p = hits / K if exact else (1 + hits) / (n + 1)
-    return null, min(1.0, p), f"all {K} labellings within steps" if exact else f"labels permuted within steps {n}×"
+    return null, p, f"all {K} labellings within steps" if exact else f"labels permuted within steps {n}×"
 
 # %% ../nbs/06f_gate.ipynb #fa3a136d
 def gate_power(n_a:int, n_b:int, effect:float=GATE_EFFECT, q:float=GATE_Q) -> float:
