@@ -82,19 +82,19 @@ def slurm_script(folder, params:dict) -> str:
     return _make_sbatch_string(command=command, folder=folder, **p)
 
 class _GpuSlots:
-    "One LocalExecutor per GPU; each job goes to the next GPU once that GPU's previous job has ended."
+    "One LocalExecutor per GPU; a job goes to the first GPU whose previous job has ended, waiting until one has."
     def __init__(self, folder, gpus:list, timeout_min:int):
         import submitit
-        self.folder, self.slots, self.n = Path(folder), [], 0     # the sweep writes controllers.log there
+        self.folder, self.slots = Path(folder), []     # the sweep writes controllers.log there
         for g in gpus:
             ex = submitit.LocalExecutor(folder=str(folder))
             ex.update_parameters(timeout_min=timeout_min, gpus_per_node=1, visible_gpus=[g])
             self.slots.append([ex, None])
+        self.capacity = len(self.slots)   # jobs it runs at once: a sweep keeps no more than this in flight
     def submit(self, fn, *args, **kwargs):
-        slot = self.slots[self.n % len(self.slots)]; self.n += 1
-        if slot[1] is not None: slot[1].wait()
-        slot[1] = slot[0].submit(fn, *args, **kwargs)
-        return slot[1]
+        while not (free := [s for s in self.slots if s[1] is None or s[1].done()]): time.sleep(0.2)
+        free[0][1] = free[0][0].submit(fn, *args, **kwargs)
+        return free[0][1]
 
 # %% ../nbs/07_experiments.ipynb #833735bb
 def make_executor(kind:str, folder, slurm:dict|None=None, timeout_min:int=24 * 60):
@@ -239,36 +239,44 @@ def _ceiling_passed(exp_dir:Path, first:list, wave:list, result:dict) -> bool:
 
 # %% ../nbs/07_experiments.ipynb #509f2f11
 def _run_waves(ex, waves:list, job, passed, max_parallel:int, result:dict):
-    "Run each wave's jobs max_parallel at a time; the second wave only when `passed(wave)`; stop after an interrupt."
+    "Run each wave's jobs, at most max_parallel in flight; the second wave only when `passed(wave)`; stop after an"
+    " interrupt."
     for i, wave in enumerate(waves):
         if i == 1 and not passed(wave): break
-        for k in range(0, len(wave), max_parallel):
-            if not _run_jobs(ex, [job(x) for x in wave[k:k + max_parallel]], result): break
-        if result.get("interrupted"): break
+        if not _run_jobs(ex, [job(x) for x in wave], max_parallel, result): break
+
+def _submit(ex, call, flying:list):
+    "Submit one job and add (call, job) to `flying` with SIGINT ignored: submitit's controllers inherit that (Ctrl-C"
+    " must not make one kill its job while the job records the interrupt), and no Ctrl-C lands between the two."
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with _stderr_to(Path(ex.folder)/"controllers.log"): flying.append((call, ex.submit(_Job(), *call)))
+    finally: signal.signal(signal.SIGINT, old)
 
 # %% ../nbs/07_experiments.ipynb #4f1a8a1d
-def _run_jobs(ex, calls:list, result:dict) -> bool:
-    "Submit `run_notebook(*call)` jobs together and wait for them. Ctrl-C: each job records its interrupt (a"
+def _run_jobs(ex, calls:list, max_parallel:int, result:dict) -> bool:
+    "`run_notebook(*call)` jobs, at most max_parallel in flight (and no more than a local executor's GPUs), the next"
+    " submitted as soon as one ends. Ctrl-C: nothing more is submitted; each job in flight records its interrupt (a"
     " terminal's Ctrl-C reaches it; else it is sent SIGTERM after 20 s) and is waited for; False then."
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)   # inherited by submitit's controllers: Ctrl-C must not make
-    try:                                                 # one kill its job while the job records the interrupt
-        with _stderr_to(Path(ex.folder)/"controllers.log"): jobs, got = [ex.submit(_Job(), *c) for c in calls], []
-    finally: signal.signal(signal.SIGINT, old)
+    width, queue, flying = min(max_parallel, getattr(ex, "capacity", max_parallel)), list(calls), []
     try:
-        for c, job in zip(calls, jobs): got.append(_outcome(c, job))
+        while queue or flying:
+            while queue and len(flying) < width: _submit(ex, queue.pop(0), flying)
+            ended = [x for x in flying if x[1].done()]
+            for x in ended: flying.remove(x); result["ran"].append(_outcome(*x))
+            if not ended: time.sleep(0.5)
         return True
     except KeyboardInterrupt:
         print("sweep: interrupted (Ctrl-C); waiting for its jobs to record it", flush=True)
-        for c, job in list(zip(calls, jobs))[len(got):]:
+        for c, job in flying:
             deadline = time.time() + 20
             while not job.done() and time.time() < deadline: time.sleep(0.2)
             if not job.done():   # a local job's controller forwards SIGTERM to it; Slurm's scancel sends one
                 if getattr(job, "_process", None) is not None: job._process.send_signal(signal.SIGTERM)
                 else: job.cancel()
-            got.append(_outcome(c, job))
+            result["ran"].append(_outcome(c, job))
         result["interrupted"] = True
         return False
-    finally: result["ran"] += got
 
 # %% ../nbs/07_experiments.ipynb #60b87d5e
 REQUEUE = ("requeue: on Slurm's time limit or a preemption (USR2, 90 s before) submitit calls the job's checkpoint and"

@@ -12,11 +12,19 @@ from entropy_grpo.experiments import _minutes, executor_parameters, make_executo
 
 
 def test_local_jobs_each_get_their_own_visible_gpu(tmp_path, monkeypatch):
-    "Two visible GPUs, three jobs: each job sees one GPU, dealt in turn (the job reads its own CUDA_VISIBLE_DEVICES)."
+    "Two visible GPUs: each job sees one GPU (it reads its own CUDA_VISIBLE_DEVICES), and a job goes to the first GPU"
+    " whose previous job has ended: with GPU 0 still busy, the third job runs on GPU 1."
+    import time
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     ex = make_executor("local", tmp_path, timeout_min=5)
-    seen = [ex.submit(os.getenv, "CUDA_VISIBLE_DEVICES", "unset") for _ in range(3)]
-    assert [j.result() for j in seen] == ["0", "1", "0"]
+    assert ex.capacity == 2
+    busy = ex.submit(time.sleep, 20)
+    first = ex.submit(os.getenv, "CUDA_VISIBLE_DEVICES", "unset")
+    assert first.result() == "1"
+    third = ex.submit(os.getenv, "CUDA_VISIBLE_DEVICES", "unset")
+    assert third.result() == "1" and not busy.done()
+    busy.wait()
+    assert ex.submit(os.getenv, "CUDA_VISIBLE_DEVICES", "unset").result() == "0"
 
 
 def test_local_without_a_gpu_and_parameters(monkeypatch):

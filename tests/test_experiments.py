@@ -71,6 +71,40 @@ def test_cost_ceiling_separation():
         hack_rate_separation([])
 
 
+class Scripted:
+    "A stand-in executor whose job `name` ends at its `polls[name]`-th `done()`; it records each start and end."
+    def __init__(self, folder, polls:dict, capacity=None):
+        self.folder, self.polls, self.events = folder, polls, []
+        if capacity: self.capacity = capacity
+
+    def submit(self, fn, template, out_dir, *rest):
+        name, events, left = Path(out_dir).name, self.events, [self.polls[Path(out_dir).name]]
+        events.append(("start", name))
+
+        class Job:
+            def done(self):
+                left[0] -= 1
+                if left[0] == 0: events.append(("end", name))
+                return left[0] <= 0
+
+            def result(self): return dict(status="ok")
+        return Job()
+
+
+def test_a_sweep_starts_the_next_job_as_soon_as_one_ends(tmp_path):
+    "max_parallel 2: C starts when the short B ends, while the long A still runs (no waiting for a whole batch); an"
+    " executor that runs one job at a time (a local machine's one GPU) gets them one by one."
+    from entropy_grpo.experiments import _run_jobs
+    calls = [("train", tmp_path / n, {}, "p3", tmp_path / "LOG.md") for n in "ABC"]
+    ex, result = Scripted(tmp_path, dict(A=4, B=1, C=1)), dict(ran=[])
+    assert _run_jobs(ex, calls, 2, result)
+    assert ex.events == [("start", "A"), ("start", "B"), ("end", "B"), ("start", "C"), ("end", "C"), ("end", "A")]
+    assert [x["run"] for x in result["ran"]] == ["B", "C", "A"]
+    ex, result = Scripted(tmp_path, dict(A=2, B=1, C=1), capacity=1), dict(ran=[])
+    assert _run_jobs(ex, calls, 2, result)
+    assert ex.events == [("start", "A"), ("end", "A"), ("start", "B"), ("end", "B"), ("start", "C"), ("end", "C")]
+
+
 def test_failing_job_leaves_report_and_log_line_and_the_sweep_goes_on(tmp_path):
     "The projected arm without pools fails inside its notebook; the vanilla run after it still runs."
     out = run_sweep("train", [0], ["projected", "vanilla"], 1, exp="p3", out_root=tmp_path, params=dict(preset="smoke"),
