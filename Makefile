@@ -62,6 +62,9 @@ record-engines-smollm2: setup
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/entropy-grpo sweep --out runs/engines/smollm2/trl --steps 16 --force \
 	    --max-parallel 1 --seeds $$(seq 1000 1029) --arms vanilla projected -p preset="'leak'" -p engine="'trl'" \
 	    -p v_hack="'runs/hackbed/block1/A-phase2/v_hack.safetensors'"
+	# the bed's report again, with these runs read beside block 1's
+	$(BIN)/python -c "from entropy_grpo.experiments import run_notebook; \
+	    run_notebook('hackbed', 'runs/hackbed/report', dict(engines_dir='runs/engines/smollm2/trl'), progress=True)"
 
 # The runs of record, committed under runs/ (each command re-runs its report; finished calibration jobs are kept; ~17 h
 # of one CPU core, most of it the calibration: 720 Phase-2 runs × ~15 s, 580 Phase-3 seeds (80 in each of seven
@@ -99,9 +102,10 @@ record: setup
 	# six arms × 30 seeds per block, two runs at a time on one thread each (~19 h a block; each line resumes)
 	nice -n 10 tools/hackbed_block.sh 1 1000 30
 	nice -n 10 tools/hackbed_block.sh 2 2000 30
-	# the bed read against its protocol: every comparison per block, the replicated labels, the decisions against them
-	$(BIN)/python -c "from entropy_grpo.bed_record import record_bed; \
-	    record_bed('runs/hackbed', {'block1': range(1000, 1030), 'block2': range(2000, 2030)})"
+	# the bed's report (runs/hackbed/report): every comparison per block, the replicated labels, the decisions
+	# against them, the curves, the costs and the deviations (runs/hackbed/DEVIATIONS.md)
+	$(BIN)/python -c "from entropy_grpo.experiments import run_notebook; \
+	    run_notebook('hackbed', 'runs/hackbed/report', progress=True)"
 
 clean-nbs: setup
 	$(BIN)/nbdev-clean

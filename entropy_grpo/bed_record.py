@@ -15,8 +15,8 @@ from .utils import check_range
 # %% auto #0
 __all__ = ['BLOCK_ARMS', 'BED_COMPARISONS', 'SETTING_LABEL_OF', 'bed_curves', 'last_fifth', 'pilot_table', 'paired_power',
            'seeds_needed', 'seeds_by_rule', 'detectable_effect', 'all_steps', 'paired_effect', 'bed_figure',
-           'record_pilot', 'block_curves', 'phase2_decision', 'effect_label', 'record_block', 'replicated', 'agrees',
-           'record_bed', 'engines_on_bed']
+           'record_pilot', 'block_curves', 'phase2_decision', 'run_minutes', 'bed_costs', 'effect_label',
+           'record_block', 'replicated', 'agrees', 'record_bed', 'engines_on_bed']
 
 # %% ../nbs/06g_bed_record.ipynb #ae7b193a
 def bed_curves(sweep_dir:str|Path) -> dict:
@@ -167,6 +167,27 @@ def phase2_decision(probe_dir:str|Path) -> dict|None:
     return dict(recommendation=d["results"]["decision"]["recommendation"],
                 launch=bool(d["results"]["decision"]["launch_phase3"]))
 
+# %% ../nbs/06g_bed_record.ipynb #7f342f59
+def run_minutes(job_dir:str|Path) -> float|None:
+    "A finished job's training minutes (its steps' `time_step` summed); None while it has not finished."
+    m = Path(job_dir)/"metrics.json"
+    if not m.exists() or json.loads(m.read_text()).get("status") != "ok": return None
+    return sum(json.loads(line)["time_step"] for line in (Path(job_dir)/"log.jsonl").read_text().splitlines()) / 60
+
+def bed_costs(block_dir:str|Path) -> dict:   # arms: [dict(arm, runs, median_min, max_min, hours)], probes: {s: min}
+    "Per arm of one block: finished runs, training minutes a run (median, max), hours in all; each probe's minutes."
+    arms = []
+    for arm, (d, a) in BLOCK_ARMS.items():
+        mins = [m for j in sorted((Path(block_dir)/d).glob(f"*-{a}")) if (m := run_minutes(j)) is not None]
+        arms.append(dict(arm=arm, runs=len(mins), median_min=float(np.median(mins)) if mins else math.nan,
+                         max_min=max(mins, default=math.nan), hours=sum(mins) / 60))
+    probes = {}
+    for s in ("A", "B"):
+        m = Path(block_dir)/f"{s}-phase2"/"metrics.json"
+        d = json.loads(m.read_text()) if m.exists() else {}
+        probes[s] = sum(d["timings"].values()) / 60 if d.get("status") == "ok" else None
+    return dict(arms=arms, probes=probes, hours=sum(r["hours"] for r in arms) + sum(filter(None, probes.values())) / 60)
+
 # %% ../nbs/06g_bed_record.ipynb #b37c95c5
 BED_COMPARISONS = {   # name -> (arm, control, key)
     "A: decoy − projected": ("projected", "decoy", "hack_rate"),
@@ -199,7 +220,8 @@ def record_block(
               for s, name in SETTING_LABEL_OF.items()}
     return dict(complete=complete, seeds_read=done, missing=sorted(set(seeds) - set(done)), effects=effects,
                 labels=labels, decisions={s: phase2_decision(Path(block_dir)/f"{s}-phase2") for s in SETTING_LABEL_OF},
-                endpoints={a: {s: last_fifth(curves[a][s]["hack_rate"]) for s in done} for a in BLOCK_ARMS})
+                endpoints={a: {s: last_fifth(curves[a][s]["hack_rate"]) for s in done} for a in BLOCK_ARMS},
+                costs=bed_costs(block_dir))
 
 # %% ../nbs/06g_bed_record.ipynb #ceafc33c
 def replicated(labels:list) -> str|None:
@@ -218,24 +240,25 @@ def record_bed(
     bed_dir:str|Path,       # holds one folder per block
     blocks:dict,            # block folder -> the seeds it planned, e.g. {"block1": range(1000, 1030), ...}
     margin:float=0.10,
+    out_dir:str|Path|None=None,   # where bed.json and the figures go (default: bed_dir)
 ) -> dict:                  # what bed.json holds
     "Every block against the protocol (`record_block`), the settings' replicated labels and each block's decisions"
-    " against them; bed.json and each block's curves (δS arms, LoRA pair) beside the blocks."
+    " against them; bed.json and each block's curves (δS arms, LoRA pair) in out_dir."
     import matplotlib.pyplot as plt
     from entropy_grpo.utils import save_figure, write_json
-    bed_dir = Path(bed_dir)
+    bed_dir = Path(bed_dir); out_dir = Path(out_dir or bed_dir); out_dir.mkdir(parents=True, exist_ok=True)
     recs = {b: record_block(bed_dir/b, list(seeds), margin) for b, seeds in blocks.items()}
     labels = {s: replicated([r["labels"][s] for r in recs.values()]) for s in SETTING_LABEL_OF}
     out = dict(blocks=recs, labels=labels, margin=margin,
                agreement={b: {s: agrees(r["decisions"][s], labels[s]) for s in SETTING_LABEL_OF} for b, r in recs.items()})
-    write_json(bed_dir/"bed.json", out)
+    write_json(out_dir/"bed.json", out)
     for b, r in recs.items():
         curves = {a: {s: c for s, c in v.items() if s in r["seeds_read"]} for a, v in block_curves(bed_dir/b).items()}
         for name, arms in (("delta_s", ["vanilla", "projected", "decoy", "random"]),
                            ("lora", ["vanilla_lora", "projected_lora"])):
             if r["seeds_read"]:
                 fig = bed_figure(curves, arms, f"{b}: {len(r['seeds_read'])} seeds with all six arms")
-                save_figure(fig, bed_dir/f"{b}-{name}.png"); plt.close(fig)
+                save_figure(fig, out_dir/f"{b}-{name}.png"); plt.close(fig)
     return out
 
 # %% ../nbs/06g_bed_record.ipynb #82139ab8

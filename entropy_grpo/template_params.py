@@ -17,7 +17,8 @@ __all__ = ['TEMPLATES', 'MINIMA', 'POSITIVE', 'checkout', 'repo_root', 'template
 
 # %% ../nbs/07d_template_params.ipynb #135d2093
 TEMPLATES = {"phase1": "phase1_probe.ipynb", "phase2": "phase2_probe.ipynb", "train": "train.ipynb",
-             "calibration": "calibration.ipynb"}   # nbs/experiments/ in a checkout; a wheel ships them as templates/
+             "calibration": "calibration.ipynb",
+             "hackbed": "hackbed.ipynb"}   # nbs/experiments/ in a checkout; a wheel ships them as templates/
 
 def checkout() -> Path|None:
     "The source checkout this package runs from (nbs/ beside the package folder), or None when it is installed."

@@ -161,3 +161,56 @@ def test_phase3_config_is_the_train_templates_parameters():
     defaults = {f.name: f.default for f in dataclasses.fields(Phase3Config)}   # before a preset fills task / hint
     for name, p in declared.items():
         assert ast.literal_eval(p["default"]) == defaults[name], name
+
+
+def _made_up_bed(root, seeds=range(6), steps=10):
+    """A bed as its runs leave it: two blocks of four sweeps (each arm's hack rate rising at its own speed, noise sd
+    0.02), each block's two probes (A launched, B did not), protocol.json and the pilot's pilot.json."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    speeds = dict(arms=dict(vanilla=0.9, projected=0.2), decoy=dict(projected=0.8), random=dict(projected=0.8),
+                  lora=dict(vanilla_lora=0.9, projected_lora=0.3))
+    for block in ("block1", "block2"):
+        for (sweep, arms), s in ((x, s) for x in speeds.items() for s in seeds):
+            for arm, speed in arms.items():
+                run = root / block / sweep / f"{s}-{arm}"; run.mkdir(parents=True)
+                hack = np.clip(speed * np.linspace(0, 1, steps) + rng.normal(0, 0.02, steps), 0, 1).tolist()
+                (run / "metrics.json").write_text(json.dumps(dict(status="ok", seconds=60.0 * steps, parameters=dict(
+                    arm=arm, seed=s), results=dict(hack_rate=hack, gt_pass_rate=[0.1] * steps, reward_mean=hack))))
+                (run / "log.jsonl").write_text("".join(f'{{"step": {i}, "time_step": 60.0}}\n' for i in range(steps)))
+        for setting, go in (("A", True), ("B", False)):
+            (root / block / f"{setting}-phase2").mkdir()
+            decision = dict(recommendation="launch" if go else "skip", launch_phase3=go)
+            (root / block / f"{setting}-phase2" / "metrics.json").write_text(json.dumps(dict(
+                status="ok", timings=dict(pools=120.0), results=dict(decision=decision))))
+    (root / "protocol.json").write_text(json.dumps(dict(endpoint="last fifth", primary="decoy − projected",
+                                                        smallest_effect=0.1, equivalence_margin=0.1, replication="2")))
+    (root / "pilot").mkdir()
+    (root / "pilot" / "pilot.json").write_text(json.dumps(dict(learned=9, seeds=10, passes=True, rule=dict(
+        n=len(seeds), needed=len(seeds), capped=False, power_at_n=0.8, detectable_at_n=0.1))))
+
+
+def test_hackbed_template_reads_a_made_up_bed(tmp_path):
+    """The bed's report: no label while a block misses a run; once both blocks are whole, setting A (projection slows
+    hacking far more than the decoy) shows an effect and setting B (decoy and random alike) none, and both decisions
+    agree; the costs, the curves, the TRL section and the deviations file come through."""
+    bed, run = tmp_path / "bed", tmp_path / "bed" / "report"
+    _made_up_bed(bed)
+    missing = bed / "block2" / "random" / "5-projected"
+    (missing / "metrics.json").rename(missing / "metrics.partial")
+    params = dict(bed_dir=str(bed), first_seeds=dict(block1=0, block2=0), engines_dir=str(bed / "block1" / "arms"),
+                  engines_block="block2")   # block 1's arms stand in for TRL's, read beside block 2's once it is whole
+    assert run_notebook("hackbed", run, params, log_path=tmp_path / "LOG.md", raise_on_error=True)["status"] == "ok"
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["results"]["labels"] == dict(A=None, B=None) and m["summary"] == "A: no label yet; B: no label yet"
+    rec = json.loads((run / "bed.json").read_text())
+    assert rec["blocks"]["block2"]["missing"] == [5] and rec["blocks"]["block1"]["costs"]["arms"][0]["runs"] == 6
+    assert m["results"]["engines"] is None and "No deviations file" in (run / "report.ipynb").read_text()
+    (missing / "metrics.partial").rename(missing / "metrics.json")
+    (bed / "DEVIATIONS.md").write_text("* made-up deviation: none of these runs happened\n")
+    run_notebook("hackbed", run, params, log_path=tmp_path / "LOG.md", raise_on_error=True)
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["results"]["labels"] == dict(A="effect", B="no effect") and m["results"]["engines"]["complete"]
+    assert m["results"]["agreement"] == dict(block1=dict(A=True, B=True), block2=dict(A=True, B=True))
+    assert m["figures"] == ["block1-delta_s.png", "block1-lora.png", "block2-delta_s.png", "block2-lora.png"]
+    assert all((run / f).exists() for f in m["figures"]) and "made-up deviation" in (run / "report.ipynb").read_text()
