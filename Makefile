@@ -99,7 +99,8 @@ record: setup
 	$(BIN)/python -c "from entropy_grpo.bed_record import record_pilot; \
 	    record_pilot('runs/hackbed/pilot', 'runs/hackbed/protocol.json')"
 	# the bed itself (runs/hackbed/PROTOCOL.md, addendum 2): pools of settings A and B, Phase 2 on each per block, then
-	# six arms × 30 seeds per block, two runs at a time on one thread each (~19 h a block; each line resumes)
+	# six arms × 30 seeds per block, two runs at a time on one thread each (~22 h a block of a 2-core machine: 15 seed
+	# pairs at ~65 min, then its two probes' reports at ~2 h 50 min each; each line resumes)
 	nice -n 10 tools/hackbed_block.sh 1 1000 30
 	nice -n 10 tools/hackbed_block.sh 2 2000 30
 	# the bed's report (runs/hackbed/report): every comparison per block, the replicated labels, the decisions
