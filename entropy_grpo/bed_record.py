@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .reports import read_metrics
 from .truth import t_interval
 from .utils import check_range
 
@@ -161,8 +162,7 @@ def block_curves(block_dir:str|Path) -> dict:
 
 def phase2_decision(probe_dir:str|Path) -> dict|None:
     "A finished Phase-2 probe's verdict: recommendation and launch (None while its report is unfinished)."
-    m = Path(probe_dir)/"metrics.json"
-    d = json.loads(m.read_text()) if m.exists() else {}
+    d = read_metrics(probe_dir) or {}
     if d.get("status") != "ok": return None
     return dict(recommendation=d["results"]["decision"]["recommendation"],
                 launch=bool(d["results"]["decision"]["launch_phase3"]))
@@ -170,8 +170,7 @@ def phase2_decision(probe_dir:str|Path) -> dict|None:
 # %% ../nbs/06g_bed_record.ipynb #7f342f59
 def run_minutes(job_dir:str|Path) -> float|None:
     "A finished job's training minutes (its steps' `time_step` summed); None while it has not finished."
-    m = Path(job_dir)/"metrics.json"
-    if not m.exists() or json.loads(m.read_text()).get("status") != "ok": return None
+    if (read_metrics(job_dir) or {}).get("status") != "ok": return None
     return sum(json.loads(line)["time_step"] for line in (Path(job_dir)/"log.jsonl").read_text().splitlines()) / 60
 
 def bed_costs(block_dir:str|Path) -> dict:   # arms: [dict(arm, runs, median_min, max_min, hours)], probes: {s: min}
@@ -183,8 +182,7 @@ def bed_costs(block_dir:str|Path) -> dict:   # arms: [dict(arm, runs, median_min
                          max_min=max(mins, default=math.nan), hours=sum(mins) / 60))
     probes = {}
     for s in ("A", "B"):
-        m = Path(block_dir)/f"{s}-phase2"/"metrics.json"
-        d = json.loads(m.read_text()) if m.exists() else {}
+        d = read_metrics(Path(block_dir)/f"{s}-phase2") or {}
         probes[s] = sum(d["timings"].values()) / 60 if d.get("status") == "ok" else None
     return dict(arms=arms, probes=probes, hours=sum(r["hours"] for r in arms) + sum(filter(None, probes.values())) / 60)
 
