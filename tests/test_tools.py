@@ -1,7 +1,7 @@
 """tools/save_runs.sh, which keeps a long record alive across a replaced machine: it commits a record's pools, its
 finished runs with their run.json, and a Phase-2 run's v_hack before that run is done — and nothing in flight (an
 unfinished run, checkpoints, a write's temporary), nothing else staged riding along."""
-import json, shutil, subprocess
+import json, os, shutil, subprocess
 from pathlib import Path
 
 from entropy_grpo.experiments import repo_root
@@ -43,3 +43,35 @@ def test_save_runs_commits_what_is_finished_and_nothing_in_flight(tmp_path):
     assert _git(repo, "diff", "--cached", "--name-only").split() == ["code.py"]      # still staged, not committed
     subprocess.run(["bash", str(SCRIPT), str(tmp_path / "bed"), "rec"], cwd=repo, check=True)
     assert len(_git(repo, "log", "--format=%s").splitlines()) == 2                    # nothing new: no commit
+
+
+RESUME = repo_root() / "tools" / "resume_records.sh"
+
+
+def test_resume_records_lays_the_worktrees_and_keeps_what_they_have(tmp_path):
+    "tools/resume_records.sh on a fresh clone: the bed's worktrees at their frozen commits with the clone's .venv, "
+    "the committed runs copied in; run again, it overwrites nothing the worktree has; one at another commit is refused."
+    if subprocess.run(["git", "-C", str(repo_root()), "cat-file", "-e", "df140ec^{commit}"]).returncode:
+        import pytest; pytest.skip("a shallow clone: the bed's frozen commits are not here")
+    main = tmp_path / "main"
+    subprocess.run(["git", "clone", "-q", str(repo_root()), str(main)], check=True)
+    shutil.copy(RESUME, main / "tools")                                   # the script under test, committed or not
+    run = lambda *a: subprocess.run(["bash", "tools/resume_records.sh", *a], cwd=main, capture_output=True, text=True,
+                                    env=dict(os.environ, DRY_RUN="1"))
+    r = run("bed", "1", "1000")
+    assert r.returncode == 0, r.stderr
+    assert f"cd {tmp_path}/bed && env PYTHONPATH={tmp_path}/bed PROBE_PATH={tmp_path}/bedprobe nice -n 10 " \
+           "tools/hackbed_block.sh 1 1000 30" in r.stdout
+    for tree, commit in (("bed", "df140ec"), ("bedprobe", "9947035")):
+        assert _git(tmp_path / tree, "rev-parse", "--short=7", "HEAD").strip() == commit
+        assert (tmp_path / tree / ".venv").resolve() == (main / ".venv").resolve()
+    done = Path("runs/hackbed/block1/arms/1000-vanilla/run.json")
+    assert (tmp_path / "bed" / done).read_bytes() == (main / done).read_bytes()
+    assert (tmp_path / "bed" / "runs/hackbed/pools/A-teacher/pool.json").exists()
+    (tmp_path / "bed" / done).write_text("the worktree's own")
+    assert run("bed", "1", "1000").returncode == 0
+    assert (tmp_path / "bed" / done).read_text() == "the worktree's own"
+    _git(tmp_path / "bedprobe", "checkout", "-q", "--detach", "df140ec")
+    r = run("probe", "1", "1000", "A")
+    assert r.returncode == 1 and f"{tmp_path}/bedprobe is at df140ec, not at 9947035" in r.stderr
+    assert run("probe", "1", "1000").returncode == 2

@@ -4,6 +4,8 @@
 # then the six arms two seeds at a time, so that a stopped block holds whole seed pairs. Every step skips what is done:
 # re-run the same command to resume.
 #   usage: tools/hackbed_block.sh BLOCK FIRST_SEED N      e.g. tools/hackbed_block.sh 1 1000 30
+#          tools/hackbed_block.sh BLOCK FIRST_SEED N probe SETTING   only that setting's probe, through to its report
+#          (about 2 h 50 min of both cores and not resumable inside: run it alone, at a session's start)
 set -euo pipefail
 block=$1; first=$2; n=$3
 E=.venv/bin/entropy-grpo; PY=.venv/bin/python; B=runs/hackbed; P=$B/pools; D=$B/block$block
@@ -22,7 +24,6 @@ build_pools() {   # setting task
   $E pools "$P/$1-style" --task "$2" --style-of "$P/$1-teacher"
   $E pools "$P/$1-base" --task "$2" --seed 2
 }
-build_pools A "$LEAK" & build_pools B "$DECOY" & wait
 
 # Phase 2 per setting (two threads: one probe at a time), done when its run.json says ok. The arms need only its
 # v_hack.safetensors, which the probe writes in its first minutes (a re-run writes the same tensors): each setting's
@@ -43,6 +44,13 @@ first_fit() {   # setting
   kill -- -"$pid" 2>/dev/null || true; wait "$pid" || true
   [ -f "$v" ] || { echo "setting $1's probe ended without a v_hack" >&2; exit 1; }
 }
+finished() { $PY -c "import json, sys; sys.exit(json.load(open('$1/run.json'))['state'] != 'ok')" 2>/dev/null; }
+if [ "${4:-}" = probe ]; then
+  case ${5:-} in A|B) finished "$D/$5-phase2" || probe "$5"; exit ;; esac
+  echo "probe needs a setting, A or B: got '${5:-}'" >&2; exit 2
+fi
+
+build_pools A "$LEAK" & build_pools B "$DECOY" & wait
 for s in A B; do first_fit "$s"; done
 
 sweep() {   # sweep-dir seeds... -- arms and parameters
@@ -56,5 +64,4 @@ for ((s = first; s < first + n; s += 2)); do
   sweep random --seeds "${seeds[@]}" --arms projected -p v_hack_source="'random'" $(pools_of A)
   sweep lora --seeds "${seeds[@]}" --arms vanilla_lora projected_lora $(pools_of A)
 done
-finished() { $PY -c "import json, sys; sys.exit(json.load(open('$1/run.json'))['state'] != 'ok')" 2>/dev/null; }
 for s in A B; do finished "$D/$s-phase2" || probe "$s"; done

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Start a long record again after a session's end or on a replaced machine: its worktree beside this checkout at the
+# commit it is frozen at (its RUNNING.md says why), this checkout's .venv linked in, the finished files committed here
+# copied in without overwriting anything the worktree already has, its command started in the background, and a loop
+# that commits its finished files here every 15 minutes (tools/save_runs.sh). Run from this checkout; log a line in
+# the record's RUNNING.md.
+#   usage: tools/resume_records.sh bed BLOCK FIRST_SEED           the bed's block (pools, probes to their v_hack, arms)
+#          tools/resume_records.sh probe BLOCK FIRST_SEED SETTING one probe through to its report: alone, at a
+#                                                                 session's start (about 2 h 50 min of both cores)
+#          tools/resume_records.sh engines                        the SmolLM2 engine record, in the bed's idle time
+#          DRY_RUN=1 tools/resume_records.sh …                    the worktrees and files only; prints the commands
+# Logs: ../bed/block<B>.log, ../bed/probe<B><S>.log, ../engines2/engines.log, ../records-saver.log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+main=$PWD; up=$(dirname "$main")
+BED=df140ec PROBES=9947035 ENGINES=e49269a   # the arms and pools, the probes' rules, the TRL engine record
+
+worktree() {   # folder commit
+  [ -d "$1" ] || git worktree add -q --detach "$1" "$2"
+  local at; at=$(git -C "$1" rev-parse HEAD)
+  [ "$at" = "$(git rev-parse "$2^{commit}")" ] || { echo "$1 is at ${at:0:7}, not at $2: move it aside" >&2; exit 1; }
+  [ -e "$1/.venv" ] || [ -L "$1/.venv" ] || ln -s "$main/.venv" "$1/.venv"   # a link, even before setup makes it
+}
+bring() {   # worktree folder-under-runs...
+  local d
+  for d in "${@:2}"; do
+    [ -e "runs/$d" ] || continue
+    mkdir -p "$1/runs/$(dirname "$d")"; cp -rn "runs/$d" "$1/runs/$(dirname "$d")/"
+  done
+}
+start() {   # folder log-path pattern command...: in a session of its own, unless a process matching pattern runs
+  if [ -n "${DRY_RUN:-}" ]; then echo "cd $1 && ${*:4}"; return; fi
+  if pgrep -f -- "$3" >/dev/null; then echo "already running ($3): not started again"; return; fi
+  (cd "$1" || exit; setsid nohup "${@:4}" >> "$2" 2>&1 < /dev/null &)
+  echo "started in $1 (log $2): ${*:4}"
+}
+bed_tree() {   # block: the worktrees and files the bed's block needs
+  worktree "$up/bed" "$BED"; worktree "$up/bedprobe" "$PROBES"
+  bring "$up/bed" hackbed/pools "hackbed/block$1"
+}
+case ${1:-} in   # the loops it leaves running, one of each per machine; a failed round does not end them
+  _saver) set +e; while sleep 900; do
+      [ -d ../bed ] && tools/save_runs.sh ../bed hackbed
+      [ -d ../engines2 ] && tools/save_runs.sh ../engines2 engines/smollm2
+    done ;;
+  _renice) set +e; while sleep 20; do   # every process working in the engine record's worktree, and its group: nice 19
+      for d in /proc/[0-9]*; do
+        [ "$(readlink "$d/cwd" 2>/dev/null)" = "$up/engines2" ] || continue
+        renice -n 19 -p "${d#/proc/}" >/dev/null 2>&1; echo 19 > "$d/autogroup" 2>/dev/null
+      done
+    done ;;
+esac
+
+if [ -n "${DRY_RUN:-}" ]; then echo "make -s setup"; else make -s setup; fi
+case ${1:-} in
+  bed)
+    [ $# -eq 3 ] || { echo "usage: $0 bed BLOCK FIRST_SEED" >&2; exit 2; }
+    bed_tree "$2"
+    start "$up/bed" "$up/bed/block$2.log" hackbed_block.sh env PYTHONPATH="$up/bed" PROBE_PATH="$up/bedprobe" \
+      nice -n 10 tools/hackbed_block.sh "$2" "$3" 30 ;;
+  probe)
+    [ $# -eq 4 ] || { echo "usage: $0 probe BLOCK FIRST_SEED SETTING" >&2; exit 2; }
+    bed_tree "$2"
+    start "$up/bed" "$up/bed/probe$2$4.log" hackbed_block.sh env PYTHONPATH="$up/bed" PROBE_PATH="$up/bedprobe" \
+      bash "$main/tools/hackbed_block.sh" "$2" "$3" 30 probe "$4" ;;
+  engines)
+    worktree "$up/engines2" "$ENGINES"
+    bring "$up/engines2" engines/smollm2/trl hackbed/block1/A-phase2
+    # a sweep's job starts a session of its own, which the kernel schedules as a group at nice 0 whatever its
+    # parent's: `_renice` puts them back at 19
+    start "$up/engines2" "$up/engines2/engines.log" record-engines-smollm2 \
+      env PYTHONPATH="$up/engines2" nice -n 19 make record-engines-smollm2
+    start "$main" "$up/records-renice.log" "resume_records.sh _renice" bash tools/resume_records.sh _renice ;;
+  *) echo "usage: $0 bed BLOCK FIRST_SEED | probe BLOCK FIRST_SEED SETTING | engines" >&2; exit 2 ;;
+esac
+start "$main" "$up/records-saver.log" "resume_records.sh _saver" bash tools/resume_records.sh _saver
