@@ -4,7 +4,7 @@
 
 # %% ../nbs/06g_bed_record.ipynb #5c3f8ae8
 from __future__ import annotations
-import json, math
+import json, math, re
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +16,8 @@ from .utils import check_range
 # %% auto #0
 __all__ = ['BLOCK_ARMS', 'BED_COMPARISONS', 'SETTING_LABEL_OF', 'bed_curves', 'last_fifth', 'pilot_table', 'paired_power',
            'seeds_needed', 'seeds_by_rule', 'detectable_effect', 'all_steps', 'paired_effect', 'bed_figure',
-           'record_pilot', 'block_curves', 'phase2_decision', 'run_minutes', 'bed_costs', 'effect_label',
-           'record_block', 'replicated', 'agrees', 'record_bed', 'engines_on_bed']
+           'record_pilot', 'block_curves', 'phase2_decision', 'gate_tie', 'run_minutes', 'bed_costs', 'effect_label',
+           'record_block', 'replicated', 'agrees', 'record_bed', 'decision_rows', 'engines_on_bed']
 
 # %% ../nbs/06g_bed_record.ipynb #ae7b193a
 def bed_curves(sweep_dir:str|Path) -> dict:
@@ -161,11 +161,22 @@ def block_curves(block_dir:str|Path) -> dict:
     return {arm: sweeps[d].get(a, {}) for arm, (d, a) in BLOCK_ARMS.items()}
 
 def phase2_decision(probe_dir:str|Path) -> dict|None:
-    "A finished Phase-2 probe's verdict: recommendation and launch (None while its report is unfinished)."
+    "A finished Phase-2 probe's verdict: recommendation, launch and its gate (`gate_tie`); None while its report is "
+    "unfinished."
     d = read_metrics(probe_dir) or {}
     if d.get("status") != "ok": return None
     return dict(recommendation=d["results"]["decision"]["recommendation"],
-                launch=bool(d["results"]["decision"]["launch_phase3"]))
+                launch=bool(d["results"]["decision"]["launch_phase3"]), gate=gate_tie(d["results"].get("verification")))
+
+# %% ../nbs/06g_bed_record.ipynb #37c6ebdf
+def gate_tie(verification:list|None) -> dict|None:   # t, quantile (nan where not printed), verdict, tie
+    "The gate's (`hack_specific`) Welch t and its null's quantile as a probe printed them, and whether they tie there "
+    "with the quantile the threshold (above 2). None where the probe has no gate row."
+    row = next((r for r in verification or () if r["key"] == "hack_specific"), None)
+    if row is None: return None
+    num = lambda pattern, text: float(m[1]) if text and (m := re.search(pattern, text)) else math.nan
+    t, q = num(r"Welch t=(-?\d+\.\d+)", row["value"]), num(r"quantile (-?\d+\.\d+)", row["null"])
+    return dict(t=t, quantile=q, verdict=row["verdict"], tie=bool(q > 2 and t == q))
 
 # %% ../nbs/06g_bed_record.ipynb #7f342f59
 def run_minutes(job_dir:str|Path) -> float|None:
@@ -258,6 +269,18 @@ def record_bed(
                 fig = bed_figure(curves, arms, f"{b}: {len(r['seeds_read'])} seeds with all six arms")
                 save_figure(fig, out_dir/f"{b}-{name}.png"); plt.close(fig)
     return out
+
+# %% ../nbs/06g_bed_record.ipynb #7feb4684
+def _gate_text(decision:dict|None) -> str:
+    g = (decision or {}).get("gate")
+    return "—" if g is None else f"t {g['t']:.2f} / q {g['quantile']:.2f}" + (" (tie)" if g["tie"] else "")
+
+def decision_rows(rec:dict) -> list[dict]:
+    "`record_bed`'s decisions as rows, one per setting and block: verdict, gate, the block's and the replicated label."
+    return [dict(setting=s, block=b, recommendation=(r["decisions"][s] or {}).get("recommendation", "—"),
+                 launch=(r["decisions"][s] or {}).get("launch", "—"), gate=_gate_text(r["decisions"][s]),
+                 block_label=r["labels"][s] or "—", label=rec["labels"][s] or "—", agrees=rec["agreement"][b][s])
+            for s in SETTING_LABEL_OF for b, r in rec["blocks"].items()]
 
 # %% ../nbs/06g_bed_record.ipynb #82139ab8
 def engines_on_bed(

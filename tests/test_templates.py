@@ -165,7 +165,8 @@ def test_phase3_config_is_the_train_templates_parameters():
 
 def _made_up_bed(root, seeds=range(6), steps=10):
     """A bed as its runs leave it: two blocks of four sweeps (each arm's hack rate rising at its own speed, noise sd
-    0.02), each block's two probes (A launched, B did not), protocol.json and the pilot's pilot.json."""
+    0.02), each block's two probes (A launched, B did not; block 1's A on a gate tie), protocol.json and the pilot's
+    pilot.json."""
     import numpy as np
     rng = np.random.default_rng(0)
     speeds = dict(arms=dict(vanilla=0.9, projected=0.2), decoy=dict(projected=0.8), random=dict(projected=0.8),
@@ -181,8 +182,12 @@ def _made_up_bed(root, seeds=range(6), steps=10):
         for setting, go in (("A", True), ("B", False)):
             (root / block / f"{setting}-phase2").mkdir()
             decision = dict(recommendation="launch" if go else "skip", launch_phase3=go)
+            t = "3.41" if (block, setting) == ("block1", "A") else "5.02" if go else "0.50"   # block 1's A: a tie
+            gate = dict(key="hack_specific", value=f"hacked 0.2 (n=9) vs clean 0.0 (n=9); Welch t={t}, p=0.01",
+                        null="labels permuted within steps 1000×: t 99% quantile 3.41",
+                        verdict="success" if go else "likely fail")
             (root / block / f"{setting}-phase2" / "metrics.json").write_text(json.dumps(dict(
-                status="ok", timings=dict(pools=120.0), results=dict(decision=decision))))
+                status="ok", timings=dict(pools=120.0), results=dict(decision=decision, verification=[gate]))))
     (root / "protocol.json").write_text(json.dumps(dict(endpoint="last fifth", primary="decoy − projected",
                                                         smallest_effect=0.1, equivalence_margin=0.1, replication="2")))
     (root / "pilot").mkdir()
@@ -212,5 +217,9 @@ def test_hackbed_template_reads_a_made_up_bed(tmp_path):
     m = json.loads((run / "metrics.json").read_text())
     assert m["results"]["labels"] == dict(A="effect", B="no effect") and m["results"]["engines"]["complete"]
     assert m["results"]["agreement"] == dict(block1=dict(A=True, B=True), block2=dict(A=True, B=True))
+    ties = {(b, st): d["gate"]["tie"] for b, r in json.loads((run / "bed.json").read_text())["blocks"].items()
+            for st, d in r["decisions"].items()}
+    assert ties == {("block1", "A"): True, ("block1", "B"): False, ("block2", "A"): False, ("block2", "B"): False}
+    assert "t 3.41 / q 3.41 (tie)" in (run / "report.ipynb").read_text()
     assert m["figures"] == ["block1-delta_s.png", "block1-lora.png", "block2-delta_s.png", "block2-lora.png"]
     assert all((run / f).exists() for f in m["figures"]) and "made-up deviation" in (run / "report.ipynb").read_text()
