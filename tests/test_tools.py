@@ -50,7 +50,8 @@ RESUME = repo_root() / "tools" / "resume_records.sh"
 
 def test_resume_records_lays_the_worktrees_and_keeps_what_they_have(tmp_path):
     "tools/resume_records.sh on a fresh clone: the bed's worktrees at their frozen commits with the clone's .venv, "
-    "the committed runs copied in; run again, it overwrites nothing the worktree has; one at another commit is refused."
+    "the committed runs copied in; run again, it overwrites nothing the worktree has; one at another commit is refused; "
+    "a probe is refused while the engine record's worktree is busy."
     if subprocess.run(["git", "-C", str(repo_root()), "cat-file", "-e", "df140ec^{commit}"]).returncode:
         import pytest; pytest.skip("a shallow clone: the bed's frozen commits are not here")
     main = tmp_path / "main"
@@ -72,6 +73,15 @@ def test_resume_records_lays_the_worktrees_and_keeps_what_they_have(tmp_path):
     assert run("bed", "1", "1000").returncode == 0
     assert (tmp_path / "bed" / done).read_text() == "the worktree's own"
     _git(tmp_path / "bedprobe", "checkout", "-q", "--detach", "df140ec")
-    r = run("probe", "1", "1000", "A")
+    r = run("bed", "1", "1000")
     assert r.returncode == 1 and f"{tmp_path}/bedprobe is at df140ec, not at 9947035" in r.stderr
+    _git(tmp_path / "bedprobe", "checkout", "-q", "--detach", "9947035")
     assert run("probe", "1", "1000").returncode == 2
+    (tmp_path / "engines2").mkdir()
+    engines = subprocess.Popen(["sleep", "60"], cwd=tmp_path / "engines2")   # the engine record's worktree is busy
+    try:
+        r = run("probe", "1", "1000", "A")
+        assert r.returncode == 1 and "a probe runs alone" in r.stderr
+    finally: engines.kill(); engines.wait()
+    r = run("probe", "1", "1000", "A")
+    assert r.returncode == 0 and "tools/hackbed_block.sh 1 1000 30 probe A" in r.stdout

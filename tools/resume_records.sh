@@ -34,6 +34,10 @@ start() {   # folder log-path pattern command...: in a session of its own, unles
   (cd "$1" || exit; setsid nohup "${@:4}" >> "$2" 2>&1 < /dev/null &)
   echo "started in $1 (log $2): ${*:4}"
 }
+working_in() {   # folder: whether some process works in it
+  local d
+  for d in /proc/[0-9]*; do [ "$(readlink "$d/cwd" 2>/dev/null)" = "$1" ] && return 0; done; return 1
+}
 bed_tree() {   # block: the worktrees and files the bed's block needs
   worktree "$up/bed" "$BED"; worktree "$up/bedprobe" "$PROBES"
   bring "$up/bed" hackbed/pools "hackbed/block$1"
@@ -60,6 +64,9 @@ case ${1:-} in
       nice -n 10 tools/hackbed_block.sh "$2" "$3" 30 ;;
   probe)
     [ $# -eq 4 ] || { echo "usage: $0 probe BLOCK FIRST_SEED SETTING" >&2; exit 2; }
+    if working_in "$up/engines2"; then   # the probe's two threads wait on each other: nothing may run beside them
+      echo "the SmolLM2 engine record is running: a probe runs alone (stop it first; it resumes later)" >&2; exit 1
+    fi
     bed_tree "$2"
     start "$up/bed" "$up/bed/probe$2$4.log" hackbed_block.sh env PYTHONPATH="$up/bed" PROBE_PATH="$up/bedprobe" \
       bash "$main/tools/hackbed_block.sh" "$2" "$3" 30 probe "$4" ;;
