@@ -34,9 +34,9 @@ start() {   # folder log-path pattern command...: in a session of its own, unles
   (cd "$1" || exit; setsid nohup "${@:4}" >> "$2" 2>&1 < /dev/null &)
   echo "started in $1 (log $2): ${*:4}"
 }
-working_in() {   # folder: whether some process works in it
+pids_in() {   # folder: the processes working in it, one pid a line
   local d
-  for d in /proc/[0-9]*; do [ "$(readlink "$d/cwd" 2>/dev/null)" = "$1" ] && return 0; done; return 1
+  for d in /proc/[0-9]*; do [ "$(readlink "$d/cwd" 2>/dev/null)" = "$1" ] && echo "${d#/proc/}"; done; return 0
 }
 bed_tree() {   # block: the worktrees and files the bed's block needs
   worktree "$up/bed" "$BED"; worktree "$up/bedprobe" "$PROBES"
@@ -48,9 +48,8 @@ case ${1:-} in   # the loops it leaves running, one of each per machine; a faile
       [ -d ../engines2 ] && tools/save_runs.sh ../engines2 engines/smollm2
     done ;;
   _renice) set +e; while sleep 20; do   # every process working in the engine record's worktree, and its group: nice 19
-      for d in /proc/[0-9]*; do
-        [ "$(readlink "$d/cwd" 2>/dev/null)" = "$up/engines2" ] || continue
-        renice -n 19 -p "${d#/proc/}" >/dev/null 2>&1; echo 19 > "$d/autogroup" 2>/dev/null
+      for pid in $(pids_in "$up/engines2"); do
+        renice -n 19 -p "$pid" >/dev/null 2>&1; echo 19 > "/proc/$pid/autogroup" 2>/dev/null
       done
     done ;;
 esac
@@ -64,7 +63,7 @@ case ${1:-} in
       nice -n 10 tools/hackbed_block.sh "$2" "$3" 30 ;;
   probe)
     [ $# -eq 4 ] || { echo "usage: $0 probe BLOCK FIRST_SEED SETTING" >&2; exit 2; }
-    if working_in "$up/engines2"; then   # the probe's two threads wait on each other: nothing may run beside them
+    if [ -n "$(pids_in "$up/engines2")" ]; then   # the probe's two threads wait on each other: nothing may run beside them
       echo "the SmolLM2 engine record is running: a probe runs alone (stop it first; it resumes later)" >&2; exit 1
     fi
     bed_tree "$2"
