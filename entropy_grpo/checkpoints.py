@@ -22,8 +22,9 @@ def trainable_parameters(model) -> dict[str, Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 def checkpoint_layout(model) -> str:
-    "'peft' (a peft model), 'transformers' (a transformers model, every parameter trained) or 'trainable'."
-    if hasattr(model, "peft_config") and hasattr(model, "save_pretrained"): return "peft"
+    "'peft' (a peft PeftModel), 'transformers' (a transformers model, every parameter trained) or 'trainable'."
+    from peft import PeftModel
+    if isinstance(model, PeftModel): return "peft"
     if hasattr(model, "save_pretrained") and all(p.requires_grad for p in model.parameters()): return "transformers"
     return "trainable"
 

@@ -75,6 +75,35 @@ def test_a_checkpoint_loads_with_peft_or_transformers_and_resumes(tiny, tmp_path
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
 
 
+def test_injected_lora_checkpoint_holds_what_trains_and_resumes_bitwise(tiny, tmp_path):
+    "LoRA layers injected in place (add_lora: how the probe and the Phase-3 arms build them) are not a PeftModel: the"
+    " checkpoint stores exactly the trainable tensors (not the frozen model beside them), and a run killed after its"
+    " step-2 checkpoint resumes to the uninterrupted run's weights and log."
+    from safetensors import safe_open
+    from entropy_grpo.adapters import add_lora
+    def injected():
+        model, tok = copy.deepcopy(tiny)
+        add_lora(model, ["q_proj", "v_proj"], r=4, seed=3)
+        return model, tok
+    cfg = _cfg(max_steps=3, save_steps=2, lora_r=None)
+    a = train(*injected(), DigitTask(64), cfg, out_dir=tmp_path / "a", progress=False)
+    ckpt = latest_checkpoint(tmp_path / "a")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["optimizer.pt", "state.json", "trainable.safetensors"]
+    with safe_open(ckpt / "trainable.safetensors", framework="pt") as sf:
+        stored = {n: tuple(sf.get_tensor(n).shape) for n in sf.keys()}
+    trained = {n: tuple(p.shape) for n, p in a.model.named_parameters() if p.requires_grad}
+    assert stored == trained and all("lora_" in n for n in stored)
+    assert json.loads((ckpt / "state.json").read_text())["layout"] == "trainable"
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_000003")
+    b = train(*injected(), DigitTask(64), cfg, out_dir=tmp_path / "b", resume_from="latest", progress=False)
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+    strip = lambda d: [{k: v for k, v in json.loads(l).items() if not k.startswith("time_")}
+                       for l in (d / "log.jsonl").read_text().splitlines()]
+    assert strip(tmp_path / "a") == strip(tmp_path / "b")
+
+
 def test_a_run_killed_anywhere_resumes_with_each_step_logged_once(tiny, tmp_path):
     "Killed after its last checkpoint: nothing left to run. Killed between a step's log line and its checkpoint (or"
     " before the first one): that step is redone once, not appended twice."
