@@ -1,6 +1,7 @@
 """tools/save_runs.sh, which keeps a long record alive across a replaced machine: it commits a record's pools, its
 finished runs with their run.json, and a Phase-2 run's v_hack before that run is done — and nothing in flight (an
-unfinished run, checkpoints, a write's temporary), nothing else staged riding along."""
+unfinished run, checkpoints, a write's temporary), nothing else staged riding along; with --prune it then deletes the
+checkpoints of finished runs it has committed, never of a run in flight."""
 import json, os, shutil, subprocess
 from pathlib import Path
 
@@ -32,6 +33,7 @@ def test_save_runs_commits_what_is_finished_and_nothing_in_flight(tmp_path):
     (bed / "block1" / "arms" / "1000-vanilla" / "checkpoints").mkdir()
     (bed / "block1" / "arms" / "1000-vanilla" / "checkpoints" / "step_4.pt").write_text("")
     _run(bed / "block1" / "arms" / "1000-projected", "running")
+    (bed / "block1" / "arms" / "1000-projected" / "checkpoints").mkdir()
     _run(bed / "block1" / "A-phase2", "running", files=("v_hack.safetensors", "report.partial.ipynb"))
     (repo / "code.py").write_text("x = 2\n"); _git(repo, "add", "code.py")            # staged: must not ride along
     subprocess.run(["bash", str(SCRIPT), str(tmp_path / "bed"), "rec"], cwd=repo, check=True)
@@ -41,8 +43,11 @@ def test_save_runs_commits_what_is_finished_and_nothing_in_flight(tmp_path):
                      "runs/rec/block1/arms/1000-vanilla/run.json", "runs/rec/block1/arms/1000-vanilla/metrics.json",
                      "runs/rec/block1/arms/1000-vanilla/log.jsonl", "runs/rec/block1/A-phase2/v_hack.safetensors"}
     assert _git(repo, "diff", "--cached", "--name-only").split() == ["code.py"]      # still staged, not committed
-    subprocess.run(["bash", str(SCRIPT), str(tmp_path / "bed"), "rec"], cwd=repo, check=True)
+    assert (bed / "block1" / "arms" / "1000-vanilla" / "checkpoints").is_dir()        # kept without --prune
+    subprocess.run(["bash", str(SCRIPT), "--prune", str(tmp_path / "bed"), "rec"], cwd=repo, check=True)
     assert len(_git(repo, "log", "--format=%s").splitlines()) == 2                    # nothing new: no commit
+    assert not (bed / "block1" / "arms" / "1000-vanilla" / "checkpoints").exists()    # finished and committed
+    assert (bed / "block1" / "arms" / "1000-projected" / "checkpoints").is_dir()      # in flight: kept
 
 
 RESUME = repo_root() / "tools" / "resume_records.sh"

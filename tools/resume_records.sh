@@ -44,8 +44,8 @@ bed_tree() {   # block: the worktrees and files the bed's block needs
 }
 case ${1:-} in   # the loops it leaves running, one of each per machine; a failed round does not end them
   _saver) set +e; while sleep 900; do
-      [ -d ../bed ] && tools/save_runs.sh ../bed hackbed
-      [ -d ../engines2 ] && tools/save_runs.sh ../engines2 engines/smollm2
+      [ -d ../bed ] && tools/save_runs.sh --prune ../bed hackbed
+      [ -d ../engines2 ] && tools/save_runs.sh --prune ../engines2 engines/smollm2
     done ;;
   _renice) set +e; while sleep 20; do   # every process working in the engine record's worktree, and its group: nice 19
       for pid in $(pids_in "$up/engines2"); do

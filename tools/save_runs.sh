@@ -7,8 +7,12 @@
 # read: no metric is printed.
 # To resume on a new machine: copy those folders from here into a fresh worktree of the record's commit and re-run
 # its command (the folder's RUNNING.md); finished runs are skipped.
-#   usage: tools/save_runs.sh WORKTREE RUNS_FOLDER...    e.g. tools/save_runs.sh ../bed hackbed
+# With --prune, a finished run's checkpoints/ are then deleted in the worktree once its run.json is in a commit here
+# (a finished run is never resumed, and nothing reads them): the bed's LoRA checkpoints at its frozen commit hold the
+# whole model, 545 MB each, four a run.
+#   usage: tools/save_runs.sh [--prune] WORKTREE RUNS_FOLDER...    e.g. tools/save_runs.sh --prune ../bed hackbed
 set -euo pipefail
+prune=; [ "${1:-}" = --prune ] && { prune=1; shift; }
 src=$1/runs; shift
 ok() { grep -q '"state": "ok"' "$1/run.json" 2>/dev/null; }
 copy() { tar -C "$src" -cf - --exclude=checkpoints --exclude=.lock --exclude='.*.tmp' "$1" | tar -C runs -xf -; }
@@ -27,3 +31,12 @@ done
 paths=("${@/#/runs/}")   # only these are committed: anything else staged stays staged
 git diff --cached --quiet -- "${paths[@]}" ||
   git commit -qm "runs/$*: finished files so far (pools, Phase-2 v_hack, finished runs; not read)" -- "${paths[@]}"
+[ -n "$prune" ] || exit 0
+for d in "$@"; do
+  while IFS= read -r j; do
+    r=${j%/run.json}
+    if ok "$r" && [ -d "$r/checkpoints" ] && git cat-file -e "HEAD:runs/${r#"$src"/}/run.json" 2>/dev/null; then
+      rm -rf "$r/checkpoints"
+    fi
+  done < <(find "$src/$d" -name run.json -not -path '*/pools/*')
+done
