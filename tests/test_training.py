@@ -20,6 +20,18 @@ def _cfg(**kw):
     return TrainConfig(**(base | kw))
 
 
+def _same_weights(a, b) -> bool:
+    "Every parameter of the two runs' models bitwise equal."
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    return all(torch.equal(pa[n], pb[n]) for n in pa)
+
+
+def _logged(d) -> list[dict]:
+    "A run folder's log.jsonl records, its wall times left out."
+    return [{k: v for k, v in json.loads(l).items() if not k.startswith("time_")}
+            for l in (d / "log.jsonl").read_text().splitlines()]
+
+
 def test_lora_training_raises_reward(fresh_tiny):
     model, tok = fresh_tiny
     res = train(model, tok, DigitTask(64), _cfg(), progress=False)
@@ -42,11 +54,8 @@ def test_resume_is_bitwise_the_uninterrupted_run(tiny, tmp_path):
     assert latest_checkpoint(part).name == "step_000002"
     b = train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=part, resume_from=latest_checkpoint(part),
               progress=False)
-    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
-    assert all(torch.equal(pa[n], pb[n]) for n in pa)
-    strip = lambda rec: {k: v for k, v in rec.items() if not k.startswith("time_")}
-    logs = [[strip(json.loads(l)) for l in (d / "log.jsonl").read_text().splitlines()] for d in (full, part)]
-    assert logs[0] == logs[1] and [r["step"] for r in logs[1]] == [0, 1, 2, 3]
+    assert _same_weights(a, b)
+    assert _logged(full) == _logged(part) and [r["step"] for r in _logged(part)] == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="learning_rate=0.01 \\(now 0.02\\)"):
         train(*copy.deepcopy(tiny), DigitTask(64), _cfg(max_steps=4, save_steps=2, learning_rate=2e-2), out_dir=part,
               resume_from=part / "checkpoints" / "step_000002", progress=False)
@@ -71,8 +80,7 @@ def test_a_checkpoint_loads_with_peft_or_transformers_and_resumes(tiny, tmp_path
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_000003")
     b = train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=tmp_path / "b", resume_from="latest", progress=False)
-    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
-    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+    assert _same_weights(a, b)
 
 
 def test_injected_lora_checkpoint_holds_what_trains_and_resumes_bitwise(tiny, tmp_path):
@@ -97,11 +105,8 @@ def test_injected_lora_checkpoint_holds_what_trains_and_resumes_bitwise(tiny, tm
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_000003")
     b = train(*injected(), DigitTask(64), cfg, out_dir=tmp_path / "b", resume_from="latest", progress=False)
-    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
-    assert all(torch.equal(pa[n], pb[n]) for n in pa)
-    strip = lambda d: [{k: v for k, v in json.loads(l).items() if not k.startswith("time_")}
-                       for l in (d / "log.jsonl").read_text().splitlines()]
-    assert strip(tmp_path / "a") == strip(tmp_path / "b")
+    assert _same_weights(a, b)
+    assert _logged(tmp_path / "a") == _logged(tmp_path / "b")
 
 
 def test_a_run_killed_anywhere_resumes_with_each_step_logged_once(tiny, tmp_path):
@@ -110,16 +115,14 @@ def test_a_run_killed_anywhere_resumes_with_each_step_logged_once(tiny, tmp_path
     full = tmp_path / "full"
     cfg = _cfg(max_steps=4, save_steps=2)
     train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=full, progress=False)
-    strip = lambda d: [{k: v for k, v in json.loads(l).items() if not k.startswith("time_")}
-                       for l in (d / "log.jsonl").read_text().splitlines()]
     again = train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=full, resume_from="latest", progress=False)
-    assert again.records == [] and [r["step"] for r in strip(full)] == [0, 1, 2, 3]
+    assert again.records == [] and [r["step"] for r in _logged(full)] == [0, 1, 2, 3]
     for gone in (["step_000004"], ["step_000004", "step_000002"]):
         part = tmp_path / f"part{len(gone)}"
         shutil.copytree(full, part)
         for g in gone: shutil.rmtree(part / "checkpoints" / g)    # log lines of steps no checkpoint holds
         train(*copy.deepcopy(tiny), DigitTask(64), cfg, out_dir=part, resume_from="latest", progress=False)
-        assert strip(part) == strip(full)
+        assert _logged(part) == _logged(full)
     assert json.loads((part / "config.json").read_text()) == cfg.to_dict()
     assert sorted(p.name for p in part.iterdir()) == ["checkpoints", "config.json", "log.jsonl"]   # no temporaries
 

@@ -17,11 +17,12 @@ src=$1/runs; shift
 ok() { grep -q '"state": "ok"' "$1/run.json" 2>/dev/null; }
 copy() { tar -C "$src" -cf - --exclude=checkpoints --exclude=.lock --exclude='.*.tmp' "$1" | tar -C runs -xf -; }
 mkdir -p runs
+finished=()   # the finished runs copied here: committed below, so --prune may drop their checkpoints
 for d in "$@"; do
   while IFS= read -r p; do copy "${p#"$src"/}"; done < <(find "$src/$d" -type d -name pools -prune)
   while IFS= read -r j; do
     r=${j%/run.json}; rel=${r#"$src"/}
-    if ok "$r"; then copy "$rel"
+    if ok "$r"; then copy "$rel"; finished+=("$r")
     elif [ -f "$r/v_hack.safetensors" ] && [[ $r == *-phase2 ]]; then copy "$rel/v_hack.safetensors"; fi
   done < <(find "$src/$d" -name run.json -not -path '*/pools/*')
   find "runs/$d" \( -path '*/pools/*' -o -name run.json -o -path '*-phase2/v_hack.safetensors' \) -type f -print0 |
@@ -31,12 +32,5 @@ done
 paths=("${@/#/runs/}")   # only these are committed: anything else staged stays staged
 git diff --cached --quiet -- "${paths[@]}" ||
   git commit -qm "runs/$*: finished files so far (pools, Phase-2 v_hack, finished runs; not read)" -- "${paths[@]}"
-[ -n "$prune" ] || exit 0
-for d in "$@"; do
-  while IFS= read -r j; do
-    r=${j%/run.json}
-    if ok "$r" && [ -d "$r/checkpoints" ] && git cat-file -e "HEAD:runs/${r#"$src"/}/run.json" 2>/dev/null; then
-      rm -rf "$r/checkpoints"
-    fi
-  done < <(find "$src/$d" -name run.json -not -path '*/pools/*')
-done
+[ -n "$prune" ] || exit 0   # here every copied file is in HEAD (set -e: a failed commit ended the script)
+for r in "${finished[@]}"; do rm -rf "$r/checkpoints"; done
