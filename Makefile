@@ -46,10 +46,15 @@ pytest: setup
 test: export-check nbtest pytest
 
 # The calibration's second record (runs/calibration2/PROTOCOL.md): two blocks of 80 fresh seeds in every world, the
-# Phase-2 decision and Phase 3's four arms at every seed; each line resumes where it stopped.
-record-calibration: setup
-	$(BIN)/entropy-grpo calibrate --seeds 80 --out runs/calibration2/block1 -p first_seed=5000 -p phase3_seeds=80
-	$(BIN)/entropy-grpo calibrate --seeds 80 --out runs/calibration2/block2 -p first_seed=6000 -p phase3_seeds=80
+# Phase-2 decision and Phase 3's four arms at every seed; one thread a block, so `make -j2 record-calibration` runs
+# both blocks at once; each resumes where it stopped.
+CALIBRATION_FIRST_SEED_1 := 5000
+CALIBRATION_FIRST_SEED_2 := 6000
+record-calibration: record-calibration-1 record-calibration-2
+record-calibration-%: setup
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/entropy-grpo calibrate --seeds 80 --out runs/calibration2/block$* \
+	    -p first_seed=$(or $(CALIBRATION_FIRST_SEED_$*),$(error the calibration record has blocks 1 and 2, not $*)) \
+	    -p phase3_seeds=80
 
 # Phase 3 on both engines in the world `style_hack` (runs/engines/PROTOCOL.md): 100 fresh seeds; resumes where it
 # stopped.

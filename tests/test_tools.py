@@ -1,6 +1,7 @@
 """tools/save_runs.sh, which keeps a long record alive across a replaced machine: it commits a record's pools, its
-finished runs with their run.json, and a Phase-2 run's v_hack before that run is done — and nothing in flight (an
-unfinished run, checkpoints, a write's temporary), nothing else staged riding along; with --prune it then deletes the
+finished runs with their run.json, a calibration's finished jobs, and a Phase-2 run's v_hack before that run is done
+— and nothing in flight (an unfinished run, checkpoints, a write's temporary, a job's scratch), nothing else staged
+riding along; with --prune it then deletes the
 checkpoints of finished runs it has committed, never of a run in flight."""
 import json, os, shutil, subprocess
 from pathlib import Path
@@ -35,13 +36,19 @@ def test_save_runs_commits_what_is_finished_and_nothing_in_flight(tmp_path):
     _run(bed / "block1" / "arms" / "1000-projected", "running")
     (bed / "block1" / "arms" / "1000-projected" / "checkpoints").mkdir()
     _run(bed / "block1" / "A-phase2", "running", files=("v_hack.safetensors", "report.partial.ipynb"))
+    _run(bed / "calibration", "running", files=("report.partial.ipynb",))              # a calibration block in flight
+    jobs = bed / "calibration" / "phase3"
+    (jobs / ".work-ab12cd34" / "signal-5001-phase3").mkdir(parents=True)                  # its scratch: never saved
+    for f in ("jobs.json", "signal-5000.json", ".signal-5001.json.ab12cd34.tmp", ".work-ab12cd34/x.json"):
+        (jobs / f).write_text("{}")
     (repo / "code.py").write_text("x = 2\n"); _git(repo, "add", "code.py")            # staged: must not ride along
     subprocess.run(["bash", str(SCRIPT), str(tmp_path / "bed"), "rec"], cwd=repo, check=True)
     assert _git(repo, "log", "--format=%s", "-1").startswith("runs/rec: finished files so far")
     files = set(_git(repo, "show", "--name-only", "--format=", "HEAD").split())
     assert files == {"runs/rec/pools/A/pool.json", "runs/rec/pools/A/step_000.jsonl.gz",
                      "runs/rec/block1/arms/1000-vanilla/run.json", "runs/rec/block1/arms/1000-vanilla/metrics.json",
-                     "runs/rec/block1/arms/1000-vanilla/log.jsonl", "runs/rec/block1/A-phase2/v_hack.safetensors"}
+                     "runs/rec/block1/arms/1000-vanilla/log.jsonl", "runs/rec/block1/A-phase2/v_hack.safetensors",
+                     "runs/rec/calibration/phase3/jobs.json", "runs/rec/calibration/phase3/signal-5000.json"}
     assert _git(repo, "diff", "--cached", "--name-only").split() == ["code.py"]      # still staged, not committed
     assert (bed / "block1" / "arms" / "1000-vanilla" / "checkpoints").is_dir()        # kept without --prune
     subprocess.run(["bash", str(SCRIPT), "--prune", str(tmp_path / "bed"), "rec"], cwd=repo, check=True)

@@ -2,7 +2,8 @@
 # Commit what a long record has finished so far, so that a replaced machine loses only the runs in flight.
 # Run from this checkout with the record's worktree (where its command runs) and the folders under runs/ it writes.
 # Copied into this checkout's runs/ and committed: every pools/ folder, every finished run (its run.json says ok;
-# checkpoints left out) and, from a Phase-2 run not finished yet, its v_hack.safetensors — run.json, pools and
+# checkpoints left out), a calibration's finished jobs (the JSON files beside a jobs.json, never its scratch
+# .work-* folders) and, from a Phase-2 run not finished yet, its v_hack.safetensors — run.json, pools and
 # Phase-2 v_hack tensors included, which git ignores elsewhere; nothing else staged is committed. Nothing is
 # read: no metric is printed.
 # To resume on a new machine: copy those folders from here into a fresh worktree of the record's commit and re-run
@@ -20,6 +21,10 @@ mkdir -p runs
 finished=()   # the finished runs copied here: committed below, so --prune may drop their checkpoints
 for d in "$@"; do
   while IFS= read -r p; do copy "${p#"$src"/}"; done < <(find "$src/$d" -type d -name pools -prune)
+  while IFS= read -r j; do   # a calibration's finished jobs: the <world>-<seed>.json beside its jobs.json (whole files)
+    rel=${j%/jobs.json}; rel=${rel#"$src"/}
+    mkdir -p "runs/$rel"; find "$src/$rel" -maxdepth 1 -name '*.json' -type f -exec cp -t "runs/$rel" {} +
+  done < <(find "$src/$d" -name jobs.json -not -path '*/.work-*')
   while IFS= read -r j; do
     r=${j%/run.json}; rel=${r#"$src"/}
     if ok "$r"; then copy "$rel"; finished+=("$r")
