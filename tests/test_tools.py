@@ -63,7 +63,7 @@ RESUME = repo_root() / "tools" / "resume_records.sh"
 def test_resume_records_lays_the_worktrees_and_keeps_what_they_have(tmp_path):
     "tools/resume_records.sh on a fresh clone: the bed's worktrees at their frozen commits with the clone's .venv, "
     "the committed runs copied in; run again, it overwrites nothing the worktree has; one at another commit is refused; "
-    "a probe is refused while the engine record's worktree is busy."
+    "the calibration record's worktree at its commit; a probe is refused while another record's worktree is busy."
     if subprocess.run(["git", "-C", str(repo_root()), "cat-file", "-e", "df140ec^{commit}"]).returncode:
         import pytest; pytest.skip("a shallow clone: the bed's frozen commits are not here")
     main = tmp_path / "main"
@@ -89,11 +89,17 @@ def test_resume_records_lays_the_worktrees_and_keeps_what_they_have(tmp_path):
     assert r.returncode == 1 and f"{tmp_path}/bedprobe is at df140ec, not at 9947035" in r.stderr
     _git(tmp_path / "bedprobe", "checkout", "-q", "--detach", "9947035")
     assert run("probe", "1", "1000").returncode == 2
+    r = run("calibration")
+    assert r.returncode == 0 and f"cd {tmp_path}/calib && env PYTHONPATH={tmp_path}/calib nice -n 10 make -o setup " \
+                                 "-j2 record-calibration" in r.stdout, r.stdout + r.stderr
+    assert _git(tmp_path / "calib", "rev-parse", "--short=7", "HEAD").strip() == "10ec03b"
+    assert (tmp_path / "calib" / "runs/calibration2/PROTOCOL.md").exists()
     (tmp_path / "engines2").mkdir()
-    engines = subprocess.Popen(["sleep", "60"], cwd=tmp_path / "engines2")   # the engine record's worktree is busy
-    try:
-        r = run("probe", "1", "1000", "A")
-        assert r.returncode == 1 and "a probe runs alone" in r.stderr
-    finally: engines.kill(); engines.wait()
+    for busy in ("engines2", "calib"):                                     # a record's worktree is busy
+        other = subprocess.Popen(["sleep", "60"], cwd=tmp_path / busy)
+        try:
+            r = run("probe", "1", "1000", "A")
+            assert r.returncode == 1 and f"the record in {tmp_path}/{busy} is running: a probe runs alone" in r.stderr
+        finally: other.kill(); other.wait()
     r = run("probe", "1", "1000", "A")
     assert r.returncode == 0 and "tools/hackbed_block.sh 1 1000 30 probe A" in r.stdout

@@ -8,12 +8,16 @@
 #          tools/resume_records.sh probe BLOCK FIRST_SEED SETTING one probe through to its report: alone, at a
 #                                                                 session's start (about 2 h 50 min of both cores)
 #          tools/resume_records.sh engines                        the SmolLM2 engine record, in the bed's idle time
+#          tools/resume_records.sh calibration                    the calibration's second record, both blocks at
+#                                                                 once on one thread each (about 22 h of both cores)
 #          DRY_RUN=1 tools/resume_records.sh …                    the worktrees and files only; prints the commands
-# Logs: ../bed/block<B>.log, ../bed/probe<B><S>.log, ../engines2/engines.log, ../records-saver.log.
+# Logs: ../bed/block<B>.log, ../bed/probe<B><S>.log, ../engines2/engines.log, ../calib/calibration.log,
+# ../records-saver.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 main=$PWD; up=$(dirname "$main")
 BED=df140ec PROBES=9947035 ENGINES=e49269a   # the arms and pools, the probes' rules, the TRL engine record
+CALIB=10ec03b                                # the calibration's second record (runs/calibration2/RUNNING.md)
 
 worktree() {   # folder commit
   [ -d "$1" ] || git worktree add -q --detach "$1" "$2"
@@ -46,6 +50,7 @@ case ${1:-} in   # the loops it leaves running, one of each per machine; a faile
   _saver) set +e; while sleep 900; do
       [ -d ../bed ] && tools/save_runs.sh --prune ../bed hackbed
       [ -d ../engines2 ] && tools/save_runs.sh --prune ../engines2 engines/smollm2
+      [ -d ../calib ] && tools/save_runs.sh ../calib calibration2
     done ;;
   _renice) set +e; while sleep 20; do   # every process working in the engine record's worktree, and its group: nice 19
       for pid in $(pids_in "$up/engines2"); do
@@ -63,9 +68,10 @@ case ${1:-} in
       nice -n 10 tools/hackbed_block.sh "$2" "$3" 30 ;;
   probe)
     [ $# -eq 4 ] || { echo "usage: $0 probe BLOCK FIRST_SEED SETTING" >&2; exit 2; }
-    if [ -n "$(pids_in "$up/engines2")" ]; then   # the probe's two threads wait on each other: nothing may run beside them
-      echo "the SmolLM2 engine record is running: a probe runs alone (stop it first; it resumes later)" >&2; exit 1
-    fi
+    for d in engines2 calib; do   # the probe's two threads wait on each other: nothing may run beside them
+      [ -z "$(pids_in "$up/$d")" ] ||
+        { echo "the record in $up/$d is running: a probe runs alone (stop it first; it resumes later)" >&2; exit 1; }
+    done
     bed_tree "$2"
     start "$up/bed" "$up/bed/probe$2$4.log" hackbed_block.sh env PYTHONPATH="$up/bed" PROBE_PATH="$up/bedprobe" \
       bash "$main/tools/hackbed_block.sh" "$2" "$3" 30 probe "$4" ;;
@@ -75,8 +81,14 @@ case ${1:-} in
     # a sweep's job starts a session of its own, which the kernel schedules as a group at nice 0 whatever its
     # parent's: `_renice` puts them back at 19
     start "$up/engines2" "$up/engines2/engines.log" record-engines-smollm2 \
-      env PYTHONPATH="$up/engines2" nice -n 19 make record-engines-smollm2
+      env PYTHONPATH="$up/engines2" nice -n 19 make -o setup record-engines-smollm2   # -o: main's .venv, set up above
     start "$main" "$up/records-renice.log" "resume_records.sh _renice" bash tools/resume_records.sh _renice ;;
-  *) echo "usage: $0 bed BLOCK FIRST_SEED | probe BLOCK FIRST_SEED SETTING | engines" >&2; exit 2 ;;
+  calibration)
+    if pgrep -f "hackbed_block.sh .* probe" >/dev/null; then echo "a probe is running: it runs alone" >&2; exit 1; fi
+    worktree "$up/calib" "$CALIB"
+    bring "$up/calib" calibration2
+    start "$up/calib" "$up/calib/calibration.log" record-calibration \
+      env PYTHONPATH="$up/calib" nice -n 10 make -o setup -j2 record-calibration ;;
+  *) echo "usage: $0 bed BLOCK FIRST_SEED | probe BLOCK FIRST_SEED SETTING | engines | calibration" >&2; exit 2 ;;
 esac
 start "$main" "$up/records-saver.log" "resume_records.sh _saver" bash tools/resume_records.sh _saver
