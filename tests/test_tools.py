@@ -1,8 +1,8 @@
 """tools/save_runs.sh, which keeps a long record alive across a replaced machine: it commits a record's pools, its
 finished runs with their run.json, a calibration's finished jobs, and a Phase-2 run's v_hack before that run is done
 — and nothing in flight (an unfinished run, checkpoints, a write's temporary, a job's scratch), nothing else staged
-riding along; with --prune it then deletes the
-checkpoints of finished runs it has committed, never of a run in flight."""
+riding along; with --prune it then deletes the checkpoints of finished runs it has committed, never of a run in
+flight."""
 import json, os, shutil, subprocess
 from pathlib import Path
 
