@@ -2,7 +2,7 @@
 finished runs with their run.json, a calibration's finished jobs, and a Phase-2 run's v_hack before that run is done
 — and nothing in flight (an unfinished run, checkpoints, a write's temporary, a job's scratch), nothing else staged
 riding along; with --prune it then deletes the checkpoints of finished runs it has committed, never of a run in
-flight."""
+flight; a committed v_hack is never replaced."""
 import json, os, shutil, subprocess
 from pathlib import Path
 
@@ -21,13 +21,19 @@ def _run(d:Path, state:str, files=("metrics.json", "log.jsonl")):
     for f in files: (d / f).write_text("{}")
 
 
-def test_save_runs_commits_what_is_finished_and_nothing_in_flight(tmp_path):
-    repo, bed = tmp_path / "main", tmp_path / "bed" / "runs" / "rec"
+def _repo(tmp_path) -> tuple[Path, Path]:
+    "A checkout with the project's ignore rules (pools, run.json, tensors ignored) and the record's folder beside it."
+    repo = tmp_path / "main"
     repo.mkdir()
     _git(repo, "init", "-q"); _git(repo, "config", "user.email", "t@t"); _git(repo, "config", "user.name", "t")
-    shutil.copy(repo_root() / ".gitignore", repo / ".gitignore")          # the project's rules: pools, run.json ignored
+    shutil.copy(repo_root() / ".gitignore", repo / ".gitignore")
     (repo / "code.py").write_text("x = 1\n")
     _git(repo, "add", "-A"); _git(repo, "commit", "-qm", "init")
+    return repo, tmp_path / "bed" / "runs" / "rec"
+
+
+def test_save_runs_commits_what_is_finished_and_nothing_in_flight(tmp_path):
+    repo, bed = _repo(tmp_path)
     (bed / "pools" / "A").mkdir(parents=True)
     for f in ("pool.json", "step_000.jsonl.gz", ".step_001.jsonl.gz.ab12cd34.tmp"): (bed / "pools" / "A" / f).write_text("")
     _run(bed / "block1" / "arms" / "1000-vanilla", "ok")
@@ -55,6 +61,28 @@ def test_save_runs_commits_what_is_finished_and_nothing_in_flight(tmp_path):
     assert len(_git(repo, "log", "--format=%s").splitlines()) == 2                    # nothing new: no commit
     assert not (bed / "block1" / "arms" / "1000-vanilla" / "checkpoints").exists()    # finished and committed
     assert (bed / "block1" / "arms" / "1000-projected" / "checkpoints").is_dir()      # in flight: kept
+
+
+def test_save_runs_never_replaces_the_v_hack_the_arms_projected(tmp_path):
+    "A probe run again to its report (another machine: other float rounding) keeps the committed v_hack, in flight "
+    "and finished; the re-run's own is committed beside it once the run is done, and a second round changes nothing."
+    repo, bed = _repo(tmp_path)
+    probe, rel = bed / "block1" / "A-phase2", "runs/rec/block1/A-phase2"
+    _run(probe, "running", files=())
+    (probe / "v_hack.safetensors").write_bytes(b"the arms' v_hack")
+    save = lambda: subprocess.run(["bash", str(SCRIPT), str(tmp_path / "bed"), "rec"], cwd=repo, check=True)
+    save()
+    (probe / "v_hack.safetensors").write_bytes(b"the re-run's v_hack")                 # the report's run, in flight
+    save()
+    assert len(_git(repo, "log", "--format=%s").splitlines()) == 2                    # nothing new committed
+    (probe / "run.json").write_text(json.dumps(dict(state="ok")))
+    (probe / "report.ipynb").write_text("{}")
+    save(); save()
+    assert _git(repo, "show", f"HEAD:{rel}/v_hack.safetensors") == "the arms' v_hack"
+    assert _git(repo, "show", f"HEAD:{rel}/v_hack.report.safetensors") == "the re-run's v_hack"
+    assert {f"{rel}/run.json", f"{rel}/report.ipynb"} <= set(_git(repo, "ls-files", rel).split())
+    assert len(_git(repo, "log", "--format=%s").splitlines()) == 3 and not _git(repo, "status", "--porcelain")
+    assert (probe / "v_hack.safetensors").read_bytes() == b"the re-run's v_hack"      # the worktree's own: untouched
 
 
 RESUME = repo_root() / "tools" / "resume_records.sh"

@@ -6,6 +6,9 @@
 # .work-* folders) and, from a Phase-2 run not finished yet, its v_hack.safetensors — run.json, pools and
 # Phase-2 v_hack tensors included, which git ignores elsewhere; nothing else staged is committed. Nothing is
 # read: no metric is printed.
+# A Phase-2 v_hack committed here is never replaced: it is what the record's arms projected. A probe run again to its
+# report on another machine writes one that differs at float rounding; that run's own is committed beside it as
+# v_hack.report.safetensors once the run is finished (never while it runs).
 # To resume on a new machine: copy those folders from here into a fresh worktree of the record's commit and re-run
 # its command (the folder's RUNNING.md); finished runs are skipped.
 # With --prune, a finished run's checkpoints/ are then deleted in the worktree once its run.json is in a commit here
@@ -17,6 +20,13 @@ prune=; [ "${1:-}" = --prune ] && { prune=1; shift; }
 src=$1/runs; shift
 ok() { grep -q '"state": "ok"' "$1/run.json" 2>/dev/null; }
 copy() { tar -C "$src" -cf - --exclude=checkpoints --exclude=.lock --exclude='.*.tmp' "$1" | tar -C runs -xf -; }
+in_head() { git cat-file -e "HEAD:$1" 2>/dev/null; }
+keep_v_hack() {   # a finished Phase-2 run's folder, copied here: HEAD's v_hack stays, a different one goes beside it
+  local v=runs/$1/v_hack.safetensors
+  in_head "$v" && [ -f "$v" ] || return 0
+  cmp -s "$v" <(git show "HEAD:$v") && return 0
+  mv "$v" "runs/$1/v_hack.report.safetensors"; git show "HEAD:$v" > "$v"
+}
 mkdir -p runs
 finished=()   # the finished runs copied here: committed below, so --prune may drop their checkpoints
 for d in "$@"; do
@@ -27,10 +37,12 @@ for d in "$@"; do
   done < <(find "$src/$d" -name jobs.json -not -path '*/.work-*')
   while IFS= read -r j; do
     r=${j%/run.json}; rel=${r#"$src"/}
-    if ok "$r"; then copy "$rel"; finished+=("$r")
-    elif [ -f "$r/v_hack.safetensors" ] && [[ $r == *-phase2 ]]; then copy "$rel/v_hack.safetensors"; fi
+    if ok "$r"; then copy "$rel"; [[ $r == *-phase2 ]] && keep_v_hack "$rel"; finished+=("$r")
+    elif [ -f "$r/v_hack.safetensors" ] && [[ $r == *-phase2 ]] && ! in_head "runs/$rel/v_hack.safetensors"; then
+      copy "$rel/v_hack.safetensors"
+    fi
   done < <(find "$src/$d" -name run.json -not -path '*/pools/*')
-  find "runs/$d" \( -path '*/pools/*' -o -name run.json -o -path '*-phase2/v_hack.safetensors' \) -type f -print0 |
+  find "runs/$d" \( -path '*/pools/*' -o -name run.json -o -path '*-phase2/v_hack*.safetensors' \) -type f -print0 |
     xargs -0 -r git add -f
   git add "runs/$d"
 done
