@@ -91,7 +91,8 @@ RESUME = repo_root() / "tools" / "resume_records.sh"
 def test_resume_records_lays_the_worktrees_and_keeps_what_they_have(tmp_path):
     "tools/resume_records.sh on a fresh clone: the bed's worktrees at their frozen commits with the clone's .venv, "
     "the committed runs copied in; run again, it overwrites nothing the worktree has; one at another commit is refused; "
-    "the calibration record's worktree at its commit; a probe is refused while another record's worktree is busy."
+    "the calibration record's worktree at its commit, refused while a probe works in the bed's; a probe is refused "
+    "while another record's worktree is busy."
     if subprocess.run(["git", "-C", str(repo_root()), "cat-file", "-e", "df140ec^{commit}"]).returncode:
         import pytest; pytest.skip("a shallow clone: the bed's frozen commits are not here")
     main = tmp_path / "main"
@@ -122,6 +123,12 @@ def test_resume_records_lays_the_worktrees_and_keeps_what_they_have(tmp_path):
                                  "-j2 record-calibration" in r.stdout, r.stdout + r.stderr
     assert _git(tmp_path / "calib", "rev-parse", "--short=7", "HEAD").strip() == "10ec03b"
     assert (tmp_path / "calib" / "runs/calibration2/PROTOCOL.md").exists()
+    (fake := tmp_path / "hackbed_block.sh").write_text("sleep 60\n")           # a probe at work in the bed's worktree
+    probe = subprocess.Popen(["bash", str(fake), "1", "1000", "30", "probe", "A"], cwd=tmp_path / "bed")
+    try:
+        r = run("calibration")
+        assert r.returncode == 1 and "a probe is running: it runs alone" in r.stderr
+    finally: probe.kill(); probe.wait()
     (tmp_path / "engines2").mkdir()
     for busy in ("engines2", "calib"):                                     # a record's worktree is busy
         other = subprocess.Popen(["sleep", "60"], cwd=tmp_path / busy)

@@ -42,6 +42,12 @@ pids_in() {   # folder: the processes working in it, one pid a line
   local d
   for d in /proc/[0-9]*; do [ "$(readlink "$d/cwd" 2>/dev/null)" = "$1" ] && echo "${d#/proc/}"; done; return 0
 }
+probe_running() {   # a probe through to its report (hackbed_block.sh … probe SETTING) in this checkout's bed worktree
+  local pid
+  for pid in $(pids_in "$up/bed"); do
+    tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -q "hackbed_block.sh .* probe [AB]" && return 0
+  done; return 1
+}
 bed_tree() {   # block: the worktrees and files the bed's block needs
   worktree "$up/bed" "$BED"; worktree "$up/bedprobe" "$PROBES"
   bring "$up/bed" hackbed/pools "hackbed/block$1"
@@ -84,7 +90,7 @@ case ${1:-} in
       env PYTHONPATH="$up/engines2" nice -n 19 make -o setup record-engines-smollm2   # -o: main's .venv, set up above
     start "$main" "$up/records-renice.log" "resume_records.sh _renice" bash tools/resume_records.sh _renice ;;
   calibration)
-    if pgrep -f "hackbed_block.sh .* probe" >/dev/null; then echo "a probe is running: it runs alone" >&2; exit 1; fi
+    if probe_running; then echo "a probe is running: it runs alone" >&2; exit 1; fi
     worktree "$up/calib" "$CALIB"
     bring "$up/calib" calibration2
     start "$up/calib" "$up/calib/calibration.log" record-calibration \
