@@ -5,7 +5,7 @@
 # re-run the same command to resume.
 #   usage: tools/hackbed_block.sh BLOCK FIRST_SEED N      e.g. tools/hackbed_block.sh 1 1000 30
 #          tools/hackbed_block.sh BLOCK FIRST_SEED N probe SETTING   only that setting's probe, through to its report
-#          (about 2 h 50 min of both cores and not resumable inside: run it alone, at a session's start)
+#          (37 min to 2 h 50 min of both cores by machine, not resumable inside: run it alone, early in a session)
 set -euo pipefail
 block=$1; first=$2; n=$3
 E=.venv/bin/entropy-grpo; PY=.venv/bin/python; B=runs/hackbed; P=$B/pools; D=$B/block$block
@@ -28,7 +28,7 @@ build_pools() {   # setting task
 # Phase 2 per setting (two threads: one probe at a time), done when its run.json says ok. The arms need only its
 # v_hack.safetensors, which the probe writes in its first minutes (a re-run writes the same tensors): each setting's
 # probe runs first until it has saved one, and the reports are completed after the block's seeds, so that a session
-# too short for a whole probe (about 2 h 50 min of both cores) still advances the arms.
+# too short for a whole probe (up to 2 h 50 min of both cores) still advances the arms.
 probe() {   # setting
   local task=$LEAK; [ "$1" = B ] && task=$DECOY
   OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 PYTHONPATH=$PROBE_PATH \

@@ -6,7 +6,7 @@
 # the record's RUNNING.md.
 #   usage: tools/resume_records.sh bed BLOCK FIRST_SEED           the bed's block (pools, probes to their v_hack, arms)
 #          tools/resume_records.sh probe BLOCK FIRST_SEED SETTING one probe through to its report: alone, at a
-#                                                                 session's start (about 2 h 50 min of both cores)
+#                                                                 session's start (37 min to 2 h 50 min, by machine)
 #          tools/resume_records.sh engines                        the SmolLM2 engine record, in the bed's idle time
 #          tools/resume_records.sh calibration                    the calibration's second record, both blocks at
 #                                                                 once on one thread each (about 22 h of both cores)
