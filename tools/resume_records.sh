@@ -58,7 +58,9 @@ case ${1:-} in   # the loops it leaves running, one of each per machine; a faile
       [ -d ../engines2 ] && tools/save_runs.sh --prune ../engines2 engines/smollm2
       [ -d ../calib ] && tools/save_runs.sh ../calib calibration2
     done ;;
-  _renice) set +e; while sleep 20; do   # every process working in the engine record's worktree, and its group: nice 19
+  _renice) set +e; while sleep 20; do   # every process working in the engine record's worktree, and its group:
+      pgrep -f hackbed_block.sh >/dev/null || continue   # nice 19 while a block of the bed runs (its costs are its
+      # record); beside the calibration, an equal share of the machine
       for pid in $(pids_in "$up/engines2"); do
         renice -n 19 -p "$pid" >/dev/null 2>&1; echo 19 > "/proc/$pid/autogroup" 2>/dev/null
       done
