@@ -204,7 +204,10 @@ BED_COMPARISONS = {   # name -> (arm, control, key)
     "A: random − projected": ("projected", "random", "hack_rate"),
     "A: vanilla_lora − projected_lora": ("projected_lora", "vanilla_lora", "hack_rate"),
     "A: gt_pass cost, vanilla − projected": ("projected", "vanilla", "gt_pass_rate"),
-    "B: random − decoy": ("decoy", "random", "hack_rate")}
+    "B: random − decoy": ("decoy", "random", "hack_rate"),
+    # added 2026-12-04 after both blocks were read: B's projection against vanilla and its cost, no label reads them
+    "B: vanilla − decoy": ("decoy", "vanilla", "hack_rate"),
+    "B: gt_pass cost, vanilla − decoy": ("decoy", "vanilla", "gt_pass_rate")}
 SETTING_LABEL_OF = {"A": "A: decoy − projected", "B": "B: random − decoy"}   # the comparison each setting's label reads
 
 def effect_label(interval:tuple, margin:float) -> str:

@@ -198,7 +198,7 @@ def _made_up_bed(root, seeds=range(6), steps=10):
 def test_hackbed_template_reads_a_made_up_bed(tmp_path):
     """The bed's report: no label while a block misses a run; once both blocks are whole, setting A (projection slows
     hacking far more than the decoy) shows an effect and setting B (decoy and random alike) none, and both decisions
-    agree; the costs, the curves, the TRL section and the deviations file come through."""
+    agree; the costs, the curves, the TRL section, the deviations file and the reading come through."""
     bed, run = tmp_path / "bed", tmp_path / "bed" / "report"
     _made_up_bed(bed)
     missing = bed / "block2" / "random" / "5-projected"
@@ -211,8 +211,10 @@ def test_hackbed_template_reads_a_made_up_bed(tmp_path):
     rec = json.loads((run / "bed.json").read_text())
     assert rec["blocks"]["block2"]["missing"] == [5] and rec["blocks"]["block1"]["costs"]["arms"][0]["runs"] == 6
     assert m["results"]["engines"] is None and "No deviations file" in (run / "report.ipynb").read_text()
+    assert "No reading at" in (run / "report.ipynb").read_text()
     (missing / "metrics.partial").rename(missing / "metrics.json")
     (bed / "DEVIATIONS.md").write_text("* made-up deviation: none of these runs happened\n")
+    (bed / "READING.md").write_text("A made-up reading of a made-up bed.\n")
     run_notebook("hackbed", run, params, log_path=tmp_path / "LOG.md", raise_on_error=True)
     m = json.loads((run / "metrics.json").read_text())
     assert m["results"]["labels"] == dict(A="effect", B="no effect") and m["results"]["engines"]["complete"]
@@ -223,3 +225,4 @@ def test_hackbed_template_reads_a_made_up_bed(tmp_path):
     assert "t 3.41 / q 3.41 (tie)" in (run / "report.ipynb").read_text()
     assert m["figures"] == ["block1-delta_s.png", "block1-lora.png", "block2-delta_s.png", "block2-lora.png"]
     assert all((run / f).exists() for f in m["figures"]) and "made-up deviation" in (run / "report.ipynb").read_text()
+    assert "A made-up reading" in (run / "report.ipynb").read_text()
