@@ -45,7 +45,9 @@ def test_save_runs_commits_what_is_finished_and_nothing_in_flight(tmp_path):
     _run(bed / "calibration", "running", files=("report.partial.ipynb",))              # a calibration block in flight
     jobs = bed / "calibration" / "phase3"
     (jobs / ".work-ab12cd34" / "signal-5001-phase3").mkdir(parents=True)                  # its scratch: never saved
-    for f in ("jobs.json", "signal-5000.json", ".signal-5001.json.ab12cd34.tmp", ".work-ab12cd34/x.json"):
+    (jobs / ".work-ab12cd34" / "signal-5001" / "pools" / "base").mkdir(parents=True)      # its own pools: neither
+    for f in ("jobs.json", "signal-5000.json", ".signal-5001.json.ab12cd34.tmp", ".work-ab12cd34/x.json",
+              ".work-ab12cd34/signal-5001/pools/base/step_000.jsonl.gz"):
         (jobs / f).write_text("{}")
     (repo / "code.py").write_text("x = 2\n"); _git(repo, "add", "code.py")            # staged: must not ride along
     subprocess.run(["bash", str(SCRIPT), str(tmp_path / "bed"), "rec"], cwd=repo, check=True)

@@ -30,7 +30,8 @@ keep_v_hack() {   # a finished Phase-2 run's folder, copied here: HEAD's v_hack 
 mkdir -p runs
 finished=()   # the finished runs copied here: committed below, so --prune may drop their checkpoints
 for d in "$@"; do
-  while IFS= read -r p; do copy "${p#"$src"/}"; done < <(find "$src/$d" -type d -name pools -prune)
+  while IFS= read -r p; do copy "${p#"$src"/}"; done < <(   # a job's scratch (.work-*) keeps pools of its own
+    find "$src/$d" -type d -name '.work-*' -prune -o -type d -name pools -prune -print)
   while IFS= read -r j; do   # a calibration's finished jobs: the <world>-<seed>.json beside its jobs.json (whole files)
     rel=${j%/jobs.json}; rel=${rel#"$src"/}
     mkdir -p "runs/$rel"; find "$src/$rel" -maxdepth 1 -name '*.json' -type f -exec cp -t "runs/$rel" {} +
@@ -42,7 +43,8 @@ for d in "$@"; do
       copy "$rel/v_hack.safetensors"
     fi
   done < <(find "$src/$d" -name run.json -not -path '*/pools/*')
-  find "runs/$d" \( -path '*/pools/*' -o -name run.json -o -path '*-phase2/v_hack*.safetensors' \) -type f -print0 |
+  find "runs/$d" -type d -name '.work-*' -prune -o \
+    \( -path '*/pools/*' -o -name run.json -o -path '*-phase2/v_hack*.safetensors' \) -type f -print0 |
     xargs -0 -r git add -f
   git add "runs/$d"
 done
