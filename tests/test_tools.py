@@ -1,7 +1,7 @@
 """tools/save_runs.sh, which keeps a long record alive across a replaced machine: it commits a record's pools, its
 finished runs with their run.json, a calibration's finished jobs, and a Phase-2 run's v_hack before that run is done
-— and nothing in flight (an unfinished run, checkpoints, a write's temporary, a job's scratch), nothing else staged
-riding along; with --prune it then deletes the checkpoints of finished runs it has committed, never of a run in
+— and nothing in flight (an unfinished run, checkpoints, a write's temporary, a job's scratch), no other file git
+ignores, nothing written by hand in the checkout under the record's folder, nothing else staged riding along; with --prune it then deletes the checkpoints of finished runs it has committed, never of a run in
 flight; a committed v_hack is never replaced."""
 import json, os, shutil, subprocess
 from pathlib import Path
@@ -36,7 +36,7 @@ def test_save_runs_commits_what_is_finished_and_nothing_in_flight(tmp_path):
     repo, bed = _repo(tmp_path)
     (bed / "pools" / "A").mkdir(parents=True)
     for f in ("pool.json", "step_000.jsonl.gz", ".step_001.jsonl.gz.ab12cd34.tmp"): (bed / "pools" / "A" / f).write_text("")
-    _run(bed / "block1" / "arms" / "1000-vanilla", "ok")
+    _run(bed / "block1" / "arms" / "1000-vanilla", "ok", files=("metrics.json", "log.jsonl", "v_hack.safetensors"))
     (bed / "block1" / "arms" / "1000-vanilla" / "checkpoints").mkdir()
     (bed / "block1" / "arms" / "1000-vanilla" / "checkpoints" / "step_4.pt").write_text("")
     _run(bed / "block1" / "arms" / "1000-projected", "running")
@@ -50,6 +50,8 @@ def test_save_runs_commits_what_is_finished_and_nothing_in_flight(tmp_path):
               ".work-ab12cd34/signal-5001/pools/base/step_000.jsonl.gz"):
         (jobs / f).write_text("{}")
     (repo / "code.py").write_text("x = 2\n"); _git(repo, "add", "code.py")            # staged: must not ride along
+    (repo / "runs" / "rec").mkdir(parents=True)
+    (repo / "runs" / "rec" / "RESULT.md").write_text("a reading, written by hand")   # neither (not copied)
     subprocess.run(["bash", str(SCRIPT), str(tmp_path / "bed"), "rec"], cwd=repo, check=True)
     assert _git(repo, "log", "--format=%s", "-1").startswith("runs/rec: finished files so far")
     files = set(_git(repo, "show", "--name-only", "--format=", "HEAD").split())
@@ -58,6 +60,7 @@ def test_save_runs_commits_what_is_finished_and_nothing_in_flight(tmp_path):
                      "runs/rec/block1/arms/1000-vanilla/log.jsonl", "runs/rec/block1/A-phase2/v_hack.safetensors",
                      "runs/rec/calibration/phase3/jobs.json", "runs/rec/calibration/phase3/signal-5000.json"}
     assert _git(repo, "diff", "--cached", "--name-only").split() == ["code.py"]      # still staged, not committed
+    assert _git(repo, "status", "--porcelain", "runs").split() == ["??", "runs/rec/RESULT.md"]   # left as it was
     assert (bed / "block1" / "arms" / "1000-vanilla" / "checkpoints").is_dir()        # kept without --prune
     subprocess.run(["bash", str(SCRIPT), "--prune", str(tmp_path / "bed"), "rec"], cwd=repo, check=True)
     assert len(_git(repo, "log", "--format=%s").splitlines()) == 2                    # nothing new: no commit
