@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['SAME_NAMES', 'ADAPTER_FILE', 'RENAMED', 'check_for_trl', 'trl_microbatch', 'trl_batch', 'grpo_config',
            'trained_only_checkpoints', 'checkpoint_step', 'latest_trl_checkpoint', 'ZeroedReference',
-           'merged_named_weights', 'with_adapter', 'ClipAfterArm', 'StepLog', 'reward_keys', 'PoolRollout',
-           'trl_trainer', 'train_trl', 'StepBatches', 'Replay']
+           'merged_named_weights', 'with_adapter', 'own_sampling', 'ClipAfterArm', 'StepLog', 'reward_keys',
+           'PoolRollout', 'trl_trainer', 'train_trl', 'StepBatches', 'Replay']
 
 # %% ../nbs/08b_trl_engine.ipynb #b01557ed
 import importlib.util, math, os, types
@@ -21,6 +21,7 @@ from .checkpoints import trainable_parameters
 from .dist import shard_slice, world_size
 from .policies import wants_checkpointing
 from .pools import ReplaySource, record_ids
+from .sequence_processor import own_generation_config
 from .train_config import TrainConfig
 from .training import FLAGS, Rollout, _prepare_out_dir, _read_log, _write_log
 from .trl_callback import ProbeConfig, add_grpo_probe, with_every_event
@@ -160,6 +161,18 @@ def with_adapter(trainer, beta:float, adapter):
     if beta: trainer.beta, trainer.ref_model = beta, ZeroedReference(adapter)
     return trainer
 
+# %% ../nbs/08b_trl_engine.ipynb #ccfdf910
+def own_sampling(trainer):
+    "`trainer` generating with the model's generation_config hidden (`own_generation_config`), as the package's"
+    " sampler does: transformers fills every knob TRL leaves unset (min_p, no_repeat_ngram_size, …) from the model's"
+    " generation_config.json, so TRL would otherwise sample from a distribution the run does not state. TRL's stop"
+    " tokens were read from that config when the trainer was built."
+    generate = trainer._generate_single_turn
+    def own(*args, **kw):
+        with own_generation_config(trainer.model): return generate(*args, **kw)
+    trainer._generate_single_turn = own
+    return trainer
+
 # %% ../nbs/08b_trl_engine.ipynb #d69d1448
 @with_every_event
 class ClipAfterArm:
@@ -267,7 +280,7 @@ def trl_trainer(
         tr = GRPOTrainer(model=model, reward_funcs=task.trl_rewards(keys), args=args, processing_class=tokenizer,
                          train_dataset=task.trl_dataset(tokenizer, config.hint),
                          rollout_func=task if isinstance(task, PoolRollout) else None)
-    with_adapter(trained_only_checkpoints(tr), config.beta, adapter)
+    with_adapter(own_sampling(trained_only_checkpoints(tr)), config.beta, adapter)
     tr.remove_callback(PrinterCallback)
     add_grpo_probe(tr, ProbeConfig(every=0, project=project, covariance=False), v_hack=v_hack, adapter=adapter)
     for cb in (ClipAfterArm(tr, config.max_grad_norm), StepLog(out_dir, config.arm), *callbacks): tr.add_callback(cb)

@@ -7,7 +7,9 @@ gradient: k3's, as `train` takes it). A run killed between checkpoints resumes t
 two processes (gloo) take the update one process takes on their joined batch. A Phase-2 step replayed through TRL
 (`PoolRollout`) is `train`'s step on the same groups: the same update and cosines. What vLLM is given is the adapted
 policy, merged; on a GPU with vLLM, it samples from the policy being trained. The projected arm projects, clips and
-logs alike in both."""
+logs alike in both. Over several AdamW steps with the bed's optimizer (constant rate, clip on) the engines stay equal
+on the same batches, and both sample from one distribution: generate ends up with the same knobs in each, whatever
+the model's own generation_config sets."""
 import dataclasses, os
 
 import pytest
@@ -23,6 +25,7 @@ from entropy_grpo.adapters import add_delta_s, add_lora
 from entropy_grpo.checkpoints import trainable_parameters
 from entropy_grpo.policies import tiny_policy
 from entropy_grpo.pools import ReplaySource
+from entropy_grpo.sequence_processor import SequenceProcessor
 from entropy_grpo.projection_arms import ProjectionArm, random_v_hack
 from entropy_grpo.tasks import DigitTask
 from entropy_grpo.train_config import TrainConfig
@@ -71,6 +74,57 @@ def test_one_update_equal_in_both_engines(tmp_path, kind, loss_type, beta, micro
         torch.testing.assert_close(d_ours, d_trl, rtol=1e-5, atol=1e-7, msg=n)   # float32 rounding
         moved += bool(d_trl.abs().max() > 0)
     assert moved >= len(theta0) // 2
+
+
+def test_the_engines_stay_equal_over_adamw_steps_on_the_same_batches(tmp_path):
+    "The optimizer the bed's runs use (AdamW at a constant 3e-2, clip 1.0 after the arm, δS) over four steps, TRL's"
+    " batches replayed: Adam's moments, its step count and the schedule carry across steps alike."
+    tc = TrainConfig(max_steps=4, prompts_per_step=2, num_generations=G, learning_rate=0.03, optim="adamw_torch",
+                     lr_scheduler_type="constant_with_warmup", max_grad_norm=1.0, seed=2,
+                     generation=dict(max_new_tokens=16))
+    model, tok, adapter = policy("delta_s")
+    theta0 = {n: p.detach().clone() for n, p in trainable_parameters(model).items()}
+    trainer = trl_trainer(model, tok, DigitTask(n=8), tc, tmp_path, adapter=adapter)
+    batches = StepBatches(trainer).batches
+    trainer.train()
+    ours, tok2, _ = policy("delta_s")
+    train(ours, tok2, None, tc, source=Replay(batches, G), progress=False)
+    assert len(batches) == 4 and all(b["rewards"].std() > 0 for b in batches)
+    for n, p in theta0.items():
+        d_trl, d_ours = trainable_parameters(model)[n].detach() - p, trainable_parameters(ours)[n].detach() - p
+        assert d_trl.abs().max() > 0.01, n                                               # four Adam steps moved it
+        torch.testing.assert_close(d_ours, d_trl, rtol=1e-4, atol=1e-6, msg=n)
+
+
+SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+            "repetition_penalty", "no_repeat_ngram_size", "max_new_tokens", "min_new_tokens", "bad_words_ids",
+            "suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id", "pad_token_id")   # what changes q
+
+
+def test_both_engines_sample_with_the_same_knobs_whatever_the_models_generation_config(tmp_path, monkeypatch):
+    "A model whose generation_config sets knobs neither engine asks for (min_p, no_repeat_ngram_size, a repetition"
+    " penalty, its own top_k and temperature): the config `generate` ends up with is the run's own in both engines,"
+    " knob for knob, with the same stop tokens."
+    import transformers.generation.utils as gu
+    seen, prepare = [], gu.GenerationMixin._prepare_generation_config
+    def spy(self, *args, **kw):
+        out = prepare(self, *args, **kw)
+        seen.append(out[0])
+        return out
+    monkeypatch.setattr(gu.GenerationMixin, "_prepare_generation_config", spy)
+    tc = dataclasses.replace(_sgd(1, 0.0, "dr_grpo"), generation=dict(max_new_tokens=16, temperature=0.7, top_p=0.9,
+                                                                      top_k=5))
+    model, tok, adapter = policy("delta_s")
+    model.generation_config.update(min_p=0.2, no_repeat_ngram_size=2, repetition_penalty=1.3, top_k=50,
+                                   temperature=0.3)
+    trl_trainer(model, tok, DigitTask(n=8), tc, tmp_path, adapter=adapter).train()
+    SequenceProcessor(model, tok, tc.generation, progress=False).generate_batched(["1 2 3"], seed=0)
+    trl_cfg, ours = seen[0], seen[-1]
+    assert len(seen) == 2 and (ours.temperature, ours.top_k, ours.top_p, ours.min_p) == (0.7, 5, 0.9, None)
+    assert {k: getattr(trl_cfg, k, None) for k in SAMPLING} == {k: getattr(ours, k, None) for k in SAMPLING}
+    stops = lambda c: sorted({c.eos_token_id} if isinstance(c.eos_token_id, int) else set(c.eos_token_id))
+    assert stops(trl_cfg) == stops(ours)
+    assert model.generation_config.min_p == 0.2                                   # the model's own: left as it was
 
 
 class Crash(TrainerCallback):
