@@ -7,9 +7,9 @@ gradient: k3's, as `train` takes it). A run killed between checkpoints resumes t
 two processes (gloo) take the update one process takes on their joined batch. A Phase-2 step replayed through TRL
 (`PoolRollout`) is `train`'s step on the same groups: the same update and cosines. What vLLM is given is the adapted
 policy, merged; on a GPU with vLLM, it samples from the policy being trained. The projected arm projects, clips and
-logs alike in both. On SmolLM2 the bed's two steps are equal in both (slow). Over several AdamW steps with the bed's optimizer (constant rate, clip on) the engines stay equal
-on the same batches, and both sample from one distribution: generate ends up with the same knobs in each, whatever
-the model's own generation_config sets."""
+logs alike in both. Over several AdamW steps with the bed's optimizer (constant rate, clip on) the engines stay equal
+on the same batches, and on SmolLM2 over the bed's own two steps (slow); both sample from one distribution: generate
+ends up with the same knobs in each, whatever the model's own generation_config sets."""
 import dataclasses, os
 
 import pytest
