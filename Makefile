@@ -7,7 +7,7 @@ BIN   := $(VENV)/bin
 TORCH ?= torch==2.13.0   # the CPU build on this machine's disk; set TORCH="torch" for a CUDA build elsewhere
 
 .PHONY: setup demo test export-check nbtest pytest readme clean-nbs
-.PHONY: record record-calibration record-engines record-engines-smollm2
+.PHONY: record record-calibration record-engines record-engines-smollm2 record-engines-smollm2-2
 # The install is keyed on pyproject.toml's content, not its time: nbdev-export rewrites the file unchanged.
 CONTENT   := import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:16])
 INSTALLED := $(VENV)/.installed-$(shell $(PY) -c "$(CONTENT)")
@@ -70,6 +70,12 @@ record-engines-smollm2: setup
 	# the bed's report again, with these runs read beside block 1's
 	$(BIN)/python -c "from entropy_grpo.experiments import run_notebook; \
 	    run_notebook('hackbed', 'runs/hackbed/report', dict(engines_dir='runs/engines/smollm2/trl'), progress=True)"
+
+# Its second block (the protocol's addendum 2): seeds 2000-2029, beside the bed's block 2, the vanilla arm's runs first.
+record-engines-smollm2-2: setup
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/entropy-grpo sweep --out runs/engines/smollm2/trl-block2 --steps 16 \
+	    --force --max-parallel 1 --seeds $$(seq 2000 2029) --arms vanilla projected -p preset="'leak'" \
+	    -p engine="'trl'" -p v_hack="'runs/hackbed/block2/A-phase2/v_hack.safetensors'"
 
 # The runs of record, committed under runs/ (each command re-runs its report; finished calibration jobs are kept; ~17 h
 # of one CPU core, most of it the calibration: 720 Phase-2 runs × ~15 s, 580 Phase-3 seeds (80 in each of seven
