@@ -96,7 +96,8 @@ RESUME = repo_root() / "tools" / "resume_records.sh"
 def test_resume_records_lays_the_worktrees_and_keeps_what_they_have(tmp_path):
     "tools/resume_records.sh on a fresh clone: the bed's worktrees at their frozen commits with the clone's .venv, "
     "the committed runs copied in; run again, it overwrites nothing the worktree has; one at another commit is refused; "
-    "the calibration record's worktree at its commit, refused while a probe works in the bed's; a probe is refused "
+    "the calibration record's and the second engine block's worktrees at their commits, the calibration refused while "
+    "a probe works in the bed's; a probe is refused "
     "while another record's worktree is busy."
     if subprocess.run(["git", "-C", str(repo_root()), "cat-file", "-e", "df140ec^{commit}"]).returncode:
         import pytest; pytest.skip("a shallow clone: the bed's frozen commits are not here")
@@ -128,6 +129,11 @@ def test_resume_records_lays_the_worktrees_and_keeps_what_they_have(tmp_path):
                                  "-j2 record-calibration" in r.stdout, r.stdout + r.stderr
     assert _git(tmp_path / "calib", "rev-parse", "--short=7", "HEAD").strip() == "10ec03b"
     assert (tmp_path / "calib" / "runs/calibration2/PROTOCOL.md").exists()
+    r = run("engines-block2")
+    assert r.returncode == 0 and f"cd {tmp_path}/engines-b2 && env PYTHONPATH={tmp_path}/engines-b2 nice -n 10 make " \
+                                 "-o setup record-engines-smollm2-2" in r.stdout, r.stdout + r.stderr
+    assert _git(tmp_path / "engines-b2", "rev-parse", "--short=7", "HEAD").strip() == "179b172"
+    assert (tmp_path / "engines-b2" / "runs/hackbed/block2/A-phase2/v_hack.safetensors").exists()
     (fake := tmp_path / "hackbed_block.sh").write_text("sleep 60\n")           # a probe at work in the bed's worktree
     probe = subprocess.Popen(["bash", str(fake), "1", "1000", "30", "probe", "A"], cwd=tmp_path / "bed")
     try:
@@ -135,7 +141,7 @@ def test_resume_records_lays_the_worktrees_and_keeps_what_they_have(tmp_path):
         assert r.returncode == 1 and "a probe is running: it runs alone" in r.stderr
     finally: probe.kill(); probe.wait()
     (tmp_path / "engines2").mkdir()
-    for busy in ("engines2", "calib"):                                     # a record's worktree is busy
+    for busy in ("engines2", "engines-b2", "calib"):                       # a record's worktree is busy
         other = subprocess.Popen(["sleep", "60"], cwd=tmp_path / busy)
         try:
             r = run("probe", "1", "1000", "A")

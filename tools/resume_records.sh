@@ -8,15 +8,17 @@
 #          tools/resume_records.sh probe BLOCK FIRST_SEED SETTING one probe through to its report: alone, at a
 #                                                                 session's start (37 min to 2 h 50 min, by machine)
 #          tools/resume_records.sh engines                        the SmolLM2 engine record, in the bed's idle time
+#          tools/resume_records.sh engines-block2                 its second block (PROTOCOL.md's addendum 2)
 #          tools/resume_records.sh calibration                    the calibration's second record, both blocks at
 #                                                                 once on one thread each (about 22 h of both cores)
 #          DRY_RUN=1 tools/resume_records.sh …                    the worktrees and files only; prints the commands
-# Logs: ../bed/block<B>.log, ../bed/probe<B><S>.log, ../engines2/engines.log, ../calib/calibration.log,
-# ../records-saver.log.
+# Logs: ../bed/block<B>.log, ../bed/probe<B><S>.log, ../engines2/engines.log, ../engines-b2/engines.log,
+# ../calib/calibration.log, ../records-saver.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 main=$PWD; up=$(dirname "$main")
 BED=df140ec PROBES=9947035 ENGINES=e49269a   # the arms and pools, the probes' rules, the TRL engine record
+ENGINES_B2=179b172                           # the engine record's second block
 CALIB=10ec03b                                # the calibration's second record (runs/calibration2/RUNNING.md)
 
 worktree() {   # folder commit
@@ -56,6 +58,7 @@ case ${1:-} in   # the loops it leaves running, one of each per machine; a faile
   _saver) set +e; while sleep 900; do
       [ -d ../bed ] && tools/save_runs.sh --prune ../bed hackbed
       [ -d ../engines2 ] && tools/save_runs.sh --prune ../engines2 engines/smollm2
+      [ -d ../engines-b2 ] && tools/save_runs.sh --prune ../engines-b2 engines/smollm2
       [ -d ../calib ] && tools/save_runs.sh ../calib calibration2
     done ;;
   _renice) set +e; while sleep 20; do   # every process working in the engine record's worktree, and its group:
@@ -76,7 +79,7 @@ case ${1:-} in
       nice -n 10 tools/hackbed_block.sh "$2" "$3" 30 ;;
   probe)
     [ $# -eq 4 ] || { echo "usage: $0 probe BLOCK FIRST_SEED SETTING" >&2; exit 2; }
-    for d in engines2 calib; do   # the probe's two threads wait on each other: nothing may run beside them
+    for d in engines2 engines-b2 calib; do   # the probe's two threads wait on each other: nothing may run beside them
       [ -z "$(pids_in "$up/$d")" ] ||
         { echo "the record in $up/$d is running: a probe runs alone (stop it first; it resumes later)" >&2; exit 1; }
     done
@@ -88,15 +91,21 @@ case ${1:-} in
     bring "$up/engines2" engines/smollm2/trl hackbed/block1/A-phase2
     # a sweep's job starts a session of its own, which the kernel schedules as a group at nice 0 whatever its
     # parent's: `_renice` puts them back at 19
-    start "$up/engines2" "$up/engines2/engines.log" record-engines-smollm2 \
+    start "$up/engines2" "$up/engines2/engines.log" "record-engines-smollm2$" \
       env PYTHONPATH="$up/engines2" nice -n 19 make -o setup record-engines-smollm2   # -o: main's .venv, set up above
     start "$main" "$up/records-renice.log" "resume_records.sh _renice" bash tools/resume_records.sh _renice ;;
+  engines-block2)   # beside the calibration's record: an equal share of the machine
+    worktree "$up/engines-b2" "$ENGINES_B2"
+    bring "$up/engines-b2" engines/smollm2/trl-block2 hackbed/block2/A-phase2
+    start "$up/engines-b2" "$up/engines-b2/engines.log" record-engines-smollm2-2 \
+      env PYTHONPATH="$up/engines-b2" nice -n 10 make -o setup record-engines-smollm2-2 ;;
   calibration)
     if probe_running; then echo "a probe is running: it runs alone" >&2; exit 1; fi
     worktree "$up/calib" "$CALIB"
     bring "$up/calib" calibration2
     start "$up/calib" "$up/calib/calibration.log" record-calibration \
       env PYTHONPATH="$up/calib" nice -n 10 make -o setup -j2 record-calibration ;;
-  *) echo "usage: $0 bed BLOCK FIRST_SEED | probe BLOCK FIRST_SEED SETTING | engines | calibration" >&2; exit 2 ;;
+  *) echo "usage: $0 bed BLOCK FIRST_SEED | probe BLOCK FIRST_SEED SETTING | engines | engines-block2 | calibration" >&2
+     exit 2 ;;
 esac
 start "$main" "$up/records-saver.log" "resume_records.sh _saver" bash tools/resume_records.sh _saver
