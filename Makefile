@@ -7,7 +7,7 @@ BIN   := $(VENV)/bin
 TORCH ?= torch==2.13.0   # the CPU build on this machine's disk; set TORCH="torch" for a CUDA build elsewhere
 
 .PHONY: setup demo test export-check nbtest pytest readme clean-nbs
-.PHONY: record record-calibration record-engines record-engines-smollm2 record-engines-smollm2-2
+.PHONY: record record-calibration record-calibration-report record-engines record-engines-smollm2 record-engines-smollm2-2
 # The install is keyed on pyproject.toml's content, not its time: nbdev-export rewrites the file unchanged.
 CONTENT   := import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:16])
 INSTALLED := $(VENV)/.installed-$(shell $(PY) -c "$(CONTENT)")
@@ -55,6 +55,12 @@ record-calibration-%: setup
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/entropy-grpo calibrate --seeds 80 --out runs/calibration2/block$* \
 	    -p first_seed=$(or $(CALIBRATION_FIRST_SEED_$*),$(error the calibration record has blocks 1 and 2, not $*)) \
 	    -p phase3_seeds=80
+
+# The record read against its protocol once both blocks' reports have finished (runs/calibration2/report): from this
+# checkout, not the frozen worktree, whose commit predates the reader.
+record-calibration-report: setup
+	$(BIN)/python -c "from entropy_grpo.experiments import run_notebook; \
+	    run_notebook('calibration_record', 'runs/calibration2/report', dict(record_dir='runs/calibration2'))"
 
 # Phase 3 on both engines in the world `style_hack` (runs/engines/PROTOCOL.md): 100 fresh seeds; resumes where it
 # stopped.

@@ -17,7 +17,7 @@ __all__ = ['TEMPLATES', 'MINIMA', 'POSITIVE', 'checkout', 'repo_root', 'template
 
 # %% ../nbs/07d_template_params.ipynb #135d2093
 TEMPLATES = {"phase1": "phase1_probe.ipynb", "phase2": "phase2_probe.ipynb", "train": "train.ipynb",
-             "calibration": "calibration.ipynb",
+             "calibration": "calibration.ipynb", "calibration_record": "calibration_record.ipynb",
              "hackbed": "hackbed.ipynb"}   # nbs/experiments/ in a checkout; a wheel ships them as templates/
 
 def checkout() -> Path|None:

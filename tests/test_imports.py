@@ -12,7 +12,7 @@ LAYERS = [("utils", "dist", "kept_sets", "report_to", "memory"), ("policies", "t
           ("probes", "pools", "on_policy", "trl_setup"),
           ("contributions", "decision", "trl_callback", "teachers", "scorecard"),
           ("phase2", "reports", "trl_engine"), ("phase2_run", "phase3_run"), ("calibration", "plan"), ("experiments", "truth"),
-          ("bed_record",), ("cli",)]
+          ("bed_record", "calibration_record"), ("cli",)]
 LAYER = {m: i for i, ms in enumerate(LAYERS) for m in ms}
 MODULES = sorted(p.stem for p in PKG.glob("*.py") if not p.stem.startswith("_"))
 

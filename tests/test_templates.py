@@ -226,3 +226,51 @@ def test_hackbed_template_reads_a_made_up_bed(tmp_path):
     assert m["figures"] == ["block1-delta_s.png", "block1-lora.png", "block2-delta_s.png", "block2-lora.png"]
     assert all((run / f).exists() for f in m["figures"]) and "made-up deviation" in (run / "report.ipynb").read_text()
     assert "A made-up reading" in (run / "report.ipynb").read_text()
+
+
+def _made_up_calibration_record(root, worlds=("signal", "no_content", "style_hack_2pools"), blocks=(5000, 6000)):
+    "A record of two blocks of two seeds: `signal` shows an effect in both (every run launches), `no_content` none in"
+    " both (none does), `style_hack_2pools` an effect in block 1 only (near the line); nothing launches there and every"
+    " run names `--style-of`. One Phase-3 job of block 2 is missing."
+    must = dict(no_effect_max_launch_rate=0.05, effect_min_launch_rate_with_style_pool=0.8, two_pool_max_launch_rate=0.05)
+    label = dict(signal=("effect", "effect"), no_content=("no effect", "no effect"),
+                 style_hack_2pools=("effect", "undetermined"))
+    (root / "protocol.json").write_text(json.dumps(dict(worlds=list(worlds), must=must,
+                                                        blocks={str(i + 1): [b, b + 1] for i, b in enumerate(blocks)})))
+    for i, b in enumerate(blocks):
+        block = root / f"block{i + 1}"
+        for folder in ("runs", "phase3", "decoy"):
+            (block / folder).mkdir(parents=True)
+            for w in worlds:
+                for s in (b, b + 1):
+                    run = dict(world=w, seed=s, seconds=36.0, launch=w == "signal",
+                               recommendation="launch Phase 3" if w == "signal" else
+                               "inconclusive: hacking and pool identity coincide" if "2pools" in w else "skip Phase 3",
+                               to_decide="entropy-grpo pools … --style-of …" if "2pools" in w else "",
+                               rows=[dict(key="on_policy", value="+0.30", null="random bases |cos| 95%: 0.2")])
+                    (block / folder / f"{w}-{s}.json").write_text(json.dumps(run))
+        (block / "summary.json").write_text(json.dumps(dict(worlds={
+            w: dict(launches=2 * (w == "signal"), n=2, style_of=0, phase3=dict(label=label[w][i])) for w in worlds})))
+    (root / "block2" / "phase3" / "signal-6001.json").unlink()
+
+
+def test_calibration_record_template_reads_a_made_up_record(tmp_path):
+    """The record's report: nothing read while a block misses a job; once whole, the replicated labels, pooled launches
+    and must-shows per world (the two-pool world scored whatever its label), the on-policy rule, the record's hours."""
+    rec, run = tmp_path / "rec", tmp_path / "rec" / "report"
+    rec.mkdir()
+    _made_up_calibration_record(rec)
+    params = dict(record_dir=str(rec), out_dir=str(run))
+    assert run_notebook("calibration_record", run, params, log_path=tmp_path / "LOG.md",
+                        raise_on_error=True)["status"] == "ok"
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["summary"] == "not complete" and m["results"]["blocks"]["2"]["missing"] == {"phase3/signal": 1}
+    (rec / "block2" / "phase3" / "signal-6001.json").write_text(json.dumps(dict(world="signal", seed=6001, seconds=36.0)))
+    run_notebook("calibration_record", run, params, log_path=tmp_path / "LOG.md", raise_on_error=True)
+    m = json.loads((run / "metrics.json").read_text())
+    ws = m["results"]["worlds"]
+    assert {w: (r["phase3"]["label"], r["launches"], r["must"]["met"]) for w, r in ws.items()} == dict(
+        signal=("effect", 4, True), no_content=("no effect", 0, True), style_hack_2pools=("near the line", 0, True))
+    assert "4/4 want-of-style runs name --style-of" in ws["style_hack_2pools"]["must"]["requires"]
+    assert m["results"]["on_policy"]["signal"]["kept"] == 4 and m["results"]["hours"] == pytest.approx(0.36)
+    assert m["summary"].startswith("must-shows met in 3 worlds") and (run / "record.png").exists()
