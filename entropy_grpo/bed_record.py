@@ -17,7 +17,7 @@ from .utils import check_range
 __all__ = ['BLOCK_ARMS', 'BED_COMPARISONS', 'SETTING_LABEL_OF', 'bed_curves', 'last_fifth', 'pilot_table', 'paired_power',
            'seeds_needed', 'seeds_by_rule', 'detectable_effect', 'all_steps', 'paired_effect', 'bed_figure',
            'record_pilot', 'block_curves', 'phase2_decision', 'gate_tie', 'run_minutes', 'bed_costs', 'effect_label',
-           'record_block', 'replicated', 'agrees', 'record_bed', 'decision_rows', 'engines_on_bed']
+           'record_block', 'replicated', 'agrees', 'record_bed', 'decision_rows', 'engines_on_bed', 'engines_figure']
 
 # %% ../nbs/06g_bed_record.ipynb #ae7b193a
 def bed_curves(sweep_dir:str|Path) -> dict:
@@ -306,3 +306,17 @@ def engines_on_bed(
             out[f"{key} ({ep.__name__})"] = {a: engine_difference(v, margin) if len(v) > 1 else None
                                              for a, v in d.items()}
     return dict(seeds_read=done, complete=len(done) == len(seeds), differences=out)
+
+# %% ../nbs/06g_bed_record.ipynb #86f1a10b
+def engines_figure(
+    trl_dir:str|Path,       # a sweep of the vanilla and projected arms on engine="trl"
+    block_dir:str|Path,     # the bed's block whose `arms/` sweep ran them on the package's loop
+    seeds:list[int],
+    title:str="",
+):
+    "Both engines' vanilla and projected arms over `seeds` (`bed_figure`): hack rate and gt_pass per step."
+    runs = dict(package=block_curves(block_dir), TRL=bed_curves(trl_dir))
+    curves = {f"{e} {a}": {s: c[a][s] for s in seeds if s in c.get(a, {})}
+              for a in ("vanilla", "projected") for e, c in runs.items()}
+    curves = {k: v for k, v in curves.items() if v}
+    return bed_figure(curves, list(curves), title)

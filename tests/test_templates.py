@@ -223,7 +223,8 @@ def test_hackbed_template_reads_a_made_up_bed(tmp_path):
             for st, d in r["decisions"].items()}
     assert ties == {("block1", "A"): True, ("block1", "B"): False, ("block2", "A"): False, ("block2", "B"): False}
     assert "t 3.41 / q 3.41 (tie)" in (run / "report.ipynb").read_text()
-    assert m["figures"] == ["block1-delta_s.png", "block1-lora.png", "block2-delta_s.png", "block2-lora.png"]
+    assert m["figures"] == ["block1-delta_s.png", "block1-lora.png", "block2-delta_s.png", "block2-lora.png",
+                            "engines.png"]                           # the TRL section's curves last
     assert all((run / f).exists() for f in m["figures"]) and "made-up deviation" in (run / "report.ipynb").read_text()
     assert "A made-up reading" in (run / "report.ipynb").read_text()
 
