@@ -1,0 +1,106 @@
+"""Where could the SmolLM2 engine record's difference come from? Four checks on the bed's `leak` setting (SmolLM2, δS,
+AdamW 3e-2), each against an exact answer; runs/engines/smollm2/RESULT.md reports what they printed.
+
+  steps N    TRL's first N steps, their batches replayed through the package's loop: the δS each reaches
+  knobs      the GenerationConfig `generate` ends up with in each engine, and the prompt ids each feeds it
+  prefix     the package's shared-prefix sampler against plain `generate` (TRL's call), same seeds: the replies
+  resume     a TRL run killed after step 2's log line and run again, against the uninterrupted run (3 steps)
+
+usage: OMP_NUM_THREADS=1 .venv/bin/python tools/engine_checks.py steps 3 | knobs | prefix | resume"""
+import dataclasses, shutil, sys, tempfile
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from entropy_grpo.checkpoints import trainable_parameters
+from entropy_grpo.phase3_run import Phase3Config, Phase3Run
+from entropy_grpo.sequence_processor import SequenceProcessor
+from entropy_grpo.training import _read_log, train
+from entropy_grpo.trl_engine import Replay, StepBatches, train_trl, trl_trainer
+
+V_HACK = "runs/hackbed/block1/A-phase2/v_hack.safetensors"   # what block 1's arms measured or projected
+
+
+def bed_run(out:Path, steps:int=16, seed:int=1000) -> Phase3Run:
+    "A run of the bed's vanilla arm as the sweep builds it, its δS adapter on."
+    r = Phase3Run(Phase3Config(preset="leak", engine="trl", seed=seed, steps=steps, out_dir=str(out), v_hack=V_HACK))
+    r.add_arm(); r.fit_v_hack()
+    return r
+
+
+def norm(tensors) -> float: return float(sum(float(t.detach().norm()) ** 2 for t in tensors) ** .5)
+
+
+def steps(tmp:Path, n:str):
+    a, b = bed_run(tmp/"trl", int(n)), bed_run(tmp/"package", int(n))
+    tc = a.train_config
+    trainer = trl_trainer(a.adapter.model, a.tok, a.task, tc, tmp/"trl", adapter=a.adapter)
+    batches = StepBatches(trainer).batches
+    trainer.train()
+    ours = train(b.adapter.model, b.tok, None, tc, source=Replay(batches, tc.num_generations), progress=False,
+                 out_dir=tmp/"package")
+    A, B = trainable_parameters(a.adapter.model), trainable_parameters(b.adapter.model)
+    print(f"after {n} steps: |δS_trl − δS_package| {norm(A[k] - B[k] for k in A):.3e} of |δS_trl| "
+          f"{norm(A.values()):.3e}")
+    for x, y in zip(_read_log(tmp/"trl"/"log.jsonl"), ours.records):
+        print(f"step {x['step']}: loss {x['loss']:.6f} / {y['loss']:.6f}, reward {x['reward_mean']:.4f} / "
+              f"{y['reward_mean']:.4f}, entropy {x['entropy_full']:.4f} / {y['entropy_full']:.4f} (TRL / package)")
+
+
+def knobs(tmp:Path):
+    import transformers.generation.utils as gu
+    seen, prepare = [], gu.GenerationMixin._prepare_generation_config
+    def spy(self, *args, **kw):
+        out = prepare(self, *args, **kw)
+        seen.append(out[0].to_diff_dict())
+        return out
+    gu.GenerationMixin._prepare_generation_config = spy
+    r = bed_run(tmp)
+    trainer = trl_trainer(r.adapter.model, r.tok, r.task, r.train_config, tmp, adapter=r.adapter)
+    prompts = [r.task.prompt(p, r.tok) for p in r.task.problems[:4]]
+    trl_ids, _, _ = trainer._tokenize_prompts(prompts)
+    trainer._generate_single_turn(trl_ids, None, {}, 1)
+    seqs = SequenceProcessor(r.adapter.model, r.tok, r.gen, progress=False).generate_batched(prompts, seed=0)
+    ours = [seqs.sequences[j, 0, seqs.prompt_lens[j] - len(ids):seqs.prompt_lens[j]].tolist()
+            for j, ids in enumerate(trl_ids)]
+    print("prompt ids equal:", ours == trl_ids)
+    for k in sorted(set(seen[0]) | set(seen[-1])):
+        if seen[0].get(k) != seen[-1].get(k): print(f"{k}: TRL {seen[0].get(k)!r}, package {seen[-1].get(k)!r}")
+
+
+def prefix(tmp:Path):
+    r = bed_run(tmp)
+    sp = SequenceProcessor(r.adapter.model, r.tok, r.gen, progress=False)
+    prompts = [r.task.prompt(p, r.tok) for p in r.task.problems[:8]]
+    shared = [sp.generate_batched(prompts[i:i + 4], seed=7 + i) for i in (0, 4)]
+    sp._shared_prefix = lambda pb, ab, G: {}           # plain generate, every row prefilled
+    plain = [sp.generate_batched(prompts[i:i + 4], seed=7 + i) for i in (0, 4)]
+    same = sum(x == y for a, b in zip(shared, plain) for ra, rb in zip(a.responses_text, b.responses_text)
+               for x, y in zip(ra, rb))
+    print(f"replies equal: {same} of {8 * r.gen.num_generations}")
+
+
+class Crash(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kw):
+        if state.global_step == 2: raise KeyboardInterrupt
+
+
+def resume(tmp:Path):
+    def run(out, callbacks=()):
+        r = bed_run(out, 3, seed=1010)
+        tc = dataclasses.replace(r.train_config, save_steps=1)
+        log = train_trl(r.adapter.model, r.tok, r.task, tc, out, adapter=r.adapter, v_hack=r.v_hack_saved,
+                        callbacks=callbacks)
+        return log, trainable_parameters(r.adapter.model)
+    try: run(tmp/"killed", [Crash()])
+    except KeyboardInterrupt: print("killed after step 2's log line")
+    (log, resumed), (clean_log, clean) = run(tmp/"killed"), run(tmp/"clean")
+    print("rewards resumed / uninterrupted:", [x["reward_mean"] for x in log], [x["reward_mean"] for x in clean_log])
+    print(f"|δS_resumed − δS_uninterrupted| {norm(resumed[k] - clean[k] for k in clean):.3e}")
+
+
+if __name__ == "__main__":
+    check, args, tmp = sys.argv[1], sys.argv[2:], Path(tempfile.mkdtemp())
+    try: dict(steps=steps, knobs=knobs, prefix=prefix, resume=resume)[check](tmp, *args)
+    finally: shutil.rmtree(tmp, ignore_errors=True)
