@@ -6,7 +6,7 @@
 __all__ = ['SAME_NAMES', 'ADAPTER_FILE', 'RENAMED', 'check_for_trl', 'trl_microbatch', 'trl_batch', 'grpo_config',
            'trained_only_checkpoints', 'checkpoint_step', 'latest_trl_checkpoint', 'ZeroedReference',
            'merged_named_weights', 'with_adapter', 'own_sampling', 'ClipAfterArm', 'StepLog', 'reward_keys',
-           'PoolRollout', 'trl_trainer', 'train_trl', 'StepBatches', 'Replay']
+           'PoolRollout', 'trl_trainer', 'train_trl', 'StepBatches', 'Replay', 'both_engines']
 
 # %% ../nbs/08b_trl_engine.ipynb #b01557ed
 import importlib.util, math, os, types
@@ -23,7 +23,7 @@ from .policies import wants_checkpointing
 from .pools import ReplaySource, record_ids
 from .sequence_processor import own_generation_config
 from .train_config import TrainConfig
-from .training import FLAGS, Rollout, _prepare_out_dir, _read_log, _write_log
+from .training import FLAGS, Rollout, _prepare_out_dir, _read_log, _write_log, train
 from .trl_callback import ProbeConfig, add_grpo_probe, with_every_event
 from .utils import quiet_checkpointing_name
 
@@ -339,3 +339,23 @@ class Replay:
         seqs = sp._assemble(*sp._left_pad(prompts), [b["completion_ids"]], self.G)
         r = b["rewards"].view(len(prompts), self.G)
         return Rollout(seqs, prompts, [[{"reward": float(x)} for x in row] for row in r], r)
+
+# %% ../nbs/08b_trl_engine.ipynb #4268747a
+def both_engines(
+    trl_policy,                  # the policy with its adapter, for TRL's run
+    package_policy,              # the same policy at the same adapter init, for `train`'s
+    tokenizer,
+    task,                        # what TRL draws its prompts from and grades with
+    config:TrainConfig,
+    out_dir:str|Path,            # trl/ and package/: each engine's log.jsonl and checkpoints
+    adapter=None,                # trl_policy's adapter (needed by β > 0)
+    **train_kw,                  # more `train` arguments (callbacks, …)
+)->tuple:                        # (TRL's log records, `train`'s result)
+    "TRL's run of `config` on `task`, then `train` on the very batches TRL drew (`StepBatches`, `Replay`)."
+    out = Path(out_dir)
+    trainer = trl_trainer(trl_policy, tokenizer, task, config, out/"trl", adapter=adapter)
+    batches = StepBatches(trainer).batches
+    trainer.train()
+    ours = train(package_policy, tokenizer, None, config, source=Replay(batches, config.num_generations),
+                 progress=False, out_dir=out/"package", **train_kw)
+    return _read_log(out/"trl"/"log.jsonl"), ours

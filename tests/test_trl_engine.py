@@ -30,8 +30,8 @@ from entropy_grpo.projection_arms import ProjectionArm, random_v_hack
 from entropy_grpo.tasks import DigitTask
 from entropy_grpo.train_config import TrainConfig
 from entropy_grpo.training import _read_log, train
-from entropy_grpo.trl_engine import (PoolRollout, Replay, StepBatches, latest_trl_checkpoint, merged_named_weights,
-                                      train_trl, trl_trainer)
+from entropy_grpo.trl_engine import (PoolRollout, Replay, StepBatches, both_engines, latest_trl_checkpoint,
+                                      merged_named_weights, train_trl, trl_trainer)
 
 G = 4
 
@@ -106,13 +106,7 @@ def test_on_smollm2_the_engines_take_the_beds_steps_alike(tmp_path):
         r.add_arm()
         return r
     a, b = run("trl"), run("package")
-    tc = a.train_config
-    trainer = trl_trainer(a.adapter.model, a.tok, a.task, tc, tmp_path / "trl", adapter=a.adapter)
-    batches = StepBatches(trainer).batches
-    trainer.train()
-    ours = train(b.adapter.model, b.tok, None, tc, source=Replay(batches, tc.num_generations), progress=False,
-                 out_dir=tmp_path / "package")
-    theirs = _read_log(tmp_path / "trl" / "log.jsonl")
+    theirs, ours = both_engines(a.adapter.model, b.adapter.model, a.tok, a.task, a.train_config, tmp_path, a.adapter)
     for k in ("loss", "reward_mean", "completion_len"):
         assert [r[k] for r in theirs] == pytest.approx([r[k] for r in ours.records], rel=1e-5), k
     A, B = trainable_parameters(a.adapter.model), trainable_parameters(b.adapter.model)

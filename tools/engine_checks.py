@@ -10,14 +10,12 @@ usage: OMP_NUM_THREADS=1 .venv/bin/python tools/engine_checks.py steps 3 | knobs
 import dataclasses, shutil, sys, tempfile
 from pathlib import Path
 
-import torch
 from transformers import TrainerCallback
 
 from entropy_grpo.checkpoints import trainable_parameters
 from entropy_grpo.phase3_run import Phase3Config, Phase3Run
 from entropy_grpo.sequence_processor import SequenceProcessor
-from entropy_grpo.training import _read_log, train
-from entropy_grpo.trl_engine import Replay, StepBatches, train_trl, trl_trainer
+from entropy_grpo.trl_engine import both_engines, train_trl, trl_trainer
 
 V_HACK = "runs/hackbed/block1/A-phase2/v_hack.safetensors"   # what block 1's arms measured or projected
 
@@ -34,16 +32,11 @@ def norm(tensors) -> float: return float(sum(float(t.detach().norm()) ** 2 for t
 
 def steps(tmp:Path, n:str):
     a, b = bed_run(tmp/"trl", int(n)), bed_run(tmp/"package", int(n))
-    tc = a.train_config
-    trainer = trl_trainer(a.adapter.model, a.tok, a.task, tc, tmp/"trl", adapter=a.adapter)
-    batches = StepBatches(trainer).batches
-    trainer.train()
-    ours = train(b.adapter.model, b.tok, None, tc, source=Replay(batches, tc.num_generations), progress=False,
-                 out_dir=tmp/"package")
+    theirs, ours = both_engines(a.adapter.model, b.adapter.model, a.tok, a.task, a.train_config, tmp, a.adapter)
     A, B = trainable_parameters(a.adapter.model), trainable_parameters(b.adapter.model)
     print(f"after {n} steps: |δS_trl − δS_package| {norm(A[k] - B[k] for k in A):.3e} of |δS_trl| "
           f"{norm(A.values()):.3e}")
-    for x, y in zip(_read_log(tmp/"trl"/"log.jsonl"), ours.records):
+    for x, y in zip(theirs, ours.records):
         print(f"step {x['step']}: loss {x['loss']:.6f} / {y['loss']:.6f}, reward {x['reward_mean']:.4f} / "
               f"{y['reward_mean']:.4f}, entropy {x['entropy_full']:.4f} / {y['entropy_full']:.4f} (TRL / package)")
 
