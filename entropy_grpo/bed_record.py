@@ -17,7 +17,8 @@ from .utils import check_range
 __all__ = ['BLOCK_ARMS', 'BED_COMPARISONS', 'SETTING_LABEL_OF', 'bed_curves', 'last_fifth', 'pilot_table', 'paired_power',
            'seeds_needed', 'seeds_by_rule', 'detectable_effect', 'all_steps', 'paired_effect', 'bed_figure',
            'record_pilot', 'block_curves', 'phase2_decision', 'gate_tie', 'run_minutes', 'bed_costs', 'effect_label',
-           'record_block', 'replicated', 'agrees', 'record_bed', 'decision_rows', 'engines_on_bed', 'engines_figure']
+           'record_block', 'replicated', 'agrees', 'record_bed', 'decision_rows', 'engines_on_bed',
+           'engines_replicated', 'engines_figure']
 
 # %% ../nbs/06g_bed_record.ipynb #ae7b193a
 def bed_curves(sweep_dir:str|Path) -> dict:
@@ -291,12 +292,12 @@ def engines_on_bed(
     block_dir:str|Path,     # the bed's block whose `arms/` sweep ran them on the package's loop
     seeds:list[int],
     margin:float=0.15,
-) -> dict:                  # seeds_read, complete, differences: "<key> (<endpoint>)" -> arm|effect -> label
+) -> dict:                  # seeds_read, complete, differences and per_seed: "<key> (<endpoint>)" -> arm|effect -> …
     "TRL − package per arm and for the effect, on the hack rate and gt_pass, endpoint and all-steps mean."
     from entropy_grpo.truth import engine_difference
     curves = dict(trl=bed_curves(trl_dir), package=block_curves(block_dir))
     done = [s for s in seeds if all(s in c.get(a, {}) for c in curves.values() for a in ("vanilla", "projected"))]
-    out = {}
+    out, per_seed = {}, {}
     for key in ("hack_rate", "gt_pass_rate"):
         for ep in (last_fifth, all_steps):
             at = lambda e, a, s: ep(curves[e][a][s][key])
@@ -305,7 +306,26 @@ def engines_on_bed(
             d["effect"] = [effect("trl", s) - effect("package", s) for s in done]
             out[f"{key} ({ep.__name__})"] = {a: engine_difference(v, margin) if len(v) > 1 else None
                                              for a, v in d.items()}
-    return dict(seeds_read=done, complete=len(done) == len(seeds), differences=out)
+            per_seed[f"{key} ({ep.__name__})"] = d
+    return dict(seeds_read=done, complete=len(done) == len(seeds), differences=out, per_seed=per_seed)
+
+# %% ../nbs/06g_bed_record.ipynb #7edfa03b
+def engines_replicated(
+    reads:list[dict],       # `engines_on_bed` of each block, each complete
+    margin:float=0.15,
+) -> dict:                  # "<key> (<endpoint>) <arm>" -> labels, label, pooled
+    "Each comparison's label in every block, the label all give (`replicated`), and the blocks' seeds pooled."
+    from entropy_grpo.truth import engine_difference
+    if not reads or not all(r["complete"] for r in reads):
+        raise ValueError(f"{sum(r['complete'] for r in reads)} of {len(reads)} blocks complete: expected every "
+                         "block's runs finished before the engines' label is replicated")
+    out = {}
+    for key, arms in reads[0]["differences"].items():
+        for arm in arms:
+            labels = [r["differences"][key][arm]["label"] for r in reads]
+            out[f"{key} {arm}"] = dict(labels=labels, label=replicated(labels), pooled=engine_difference(
+                [d for r in reads for d in r["per_seed"][key][arm]], margin))
+    return out
 
 # %% ../nbs/06g_bed_record.ipynb #86f1a10b
 def engines_figure(
