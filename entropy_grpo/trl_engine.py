@@ -191,8 +191,8 @@ class ClipAfterArm:
 
 # %% ../nbs/08b_trl_engine.ipynb #88f0eb07
 RENAMED = {"reward": "reward_mean", "reward_std": "reward_std", "frac_reward_zero_std": "zero_std_frac",
-           "entropy": "entropy_full", "completions/mean_length": "completion_len", "learning_rate": "lr",
-           **{f"rewards/{k}/mean": v for k, v in FLAGS.items()}}   # TRL's log keys -> `train`'s
+           "completions/mean_length": "completion_len", "learning_rate": "lr",
+           **{f"rewards/{k}/mean": v for k, v in FLAGS.items()}}   # TRL's log keys -> `train`'s, where the same number
 
 @with_every_event
 class StepLog:

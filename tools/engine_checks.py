@@ -38,7 +38,8 @@ def steps(tmp:Path, n:str):
           f"{norm(A.values()):.3e}")
     for x, y in zip(theirs, ours.records):
         print(f"step {x['step']}: loss {x['loss']:.6f} / {y['loss']:.6f}, reward {x['reward_mean']:.4f} / "
-              f"{y['reward_mean']:.4f}, entropy {x['entropy_full']:.4f} / {y['entropy_full']:.4f} (TRL / package)")
+              f"{y['reward_mean']:.4f}, entropy_rb {x['entropy_rb']:.4f} / {y['entropy_rb']:.4f}, TRL's entropy "
+              f"{x['entropy']:.4f} / entropy_full {y['entropy_full']:.4f} (TRL / package)")
 
 
 def knobs(tmp:Path):
