@@ -40,10 +40,19 @@ def read_block(
         for w in worlds or WORLDS:
             if n := len(want - have.get(w, set())): missing[f"{folder}/{w}"] = n
             if x := sorted(have.get(w, set()) - want): outside[f"{folder}/{w}"] = x
-    whole = not missing and not outside and (block/"summary.json").exists()
+    summary = json.loads((block/"summary.json").read_text()) if (block/"summary.json").exists() else {}
+    whole = not missing and not outside and _summarizes(summary, len(want), worlds or WORLDS)
     hours = {f: sum(r.get("seconds", 0.0) for r in job_results(block/f)) / 3600 for f in JOB_FOLDERS if (block/f).is_dir()}
     return dict(dir=str(block), seeds=[first, last], missing=missing, outside=outside, complete=whole,
-                summary=json.loads((block/"summary.json").read_text()) if whole else None, hours=hours)
+                summary=summary if whole else None, hours=hours)
+
+# %% ../nbs/06h_calibration_record.ipynb #3fde19a7
+def _summarizes(summary:dict, n:int, worlds) -> bool:
+    "Whether the block's summary.json is its report's last: every world's n runs with Phase 3 on all n seeds (the"
+    " report writes one after Phase 2 too)."
+    ws = summary.get("worlds", {})
+    return all(w in ws and ws[w].get("n") == n and ws[w].get("phase3", {}).get("n") == n
+               and ws[w]["phase3"].get("decoy_n") == n for w in worlds)
 
 # %% ../nbs/06h_calibration_record.ipynb #12e277b8
 TWO_POOLS = tuple(w for w in STYLE_WORLDS if w.endswith("_2pools"))   # the teacher's style, no style-matched pool

@@ -251,13 +251,15 @@ def _made_up_calibration_record(root, worlds=("signal", "no_content", "style_hac
                                rows=[dict(key="on_policy", value="+0.30", null="random bases |cos| 95%: 0.2")])
                     (block / folder / f"{w}-{s}.json").write_text(json.dumps(run))
         (block / "summary.json").write_text(json.dumps(dict(worlds={
-            w: dict(launches=2 * (w == "signal"), n=2, style_of=0, phase3=dict(label=label[w][i])) for w in worlds})))
+            w: dict(launches=2 * (w == "signal"), n=2, style_of=0, phase3=dict(label=label[w][i], n=2, decoy_n=2))
+            for w in worlds})))
     (root / "block2" / "phase3" / "signal-6001.json").unlink()
 
 
 def test_calibration_record_template_reads_a_made_up_record(tmp_path):
-    """The record's report: nothing read while a block misses a job; once whole, the replicated labels, pooled launches
-    and must-shows per world (the two-pool world scored whatever its label), the on-policy rule, the record's hours."""
+    """The record's report: nothing read while a block misses a job or its summary is the one written after Phase 2;
+    once whole, the replicated labels, pooled launches and must-shows per world (the two-pool world scored whatever its
+    label), the on-policy rule, the record's hours."""
     rec, run = tmp_path / "rec", tmp_path / "rec" / "report"
     rec.mkdir()
     _made_up_calibration_record(rec)
@@ -267,6 +269,11 @@ def test_calibration_record_template_reads_a_made_up_record(tmp_path):
     m = json.loads((run / "metrics.json").read_text())
     assert m["summary"] == "not complete" and m["results"]["blocks"]["2"]["missing"] == {"phase3/signal": 1}
     (rec / "block2" / "phase3" / "signal-6001.json").write_text(json.dumps(dict(world="signal", seed=6001, seconds=36.0)))
+    summary, after_phase2 = rec / "block2" / "summary.json", json.loads((rec / "block2" / "summary.json").read_text())
+    summary.write_text(json.dumps(dict(worlds={w: dict(r, phase3={}) for w, r in after_phase2["worlds"].items()})))
+    run_notebook("calibration_record", run, params, log_path=tmp_path / "LOG.md", raise_on_error=True)
+    assert json.loads((run / "metrics.json").read_text())["summary"] == "not complete"   # the report's Phase-2 summary
+    summary.write_text(json.dumps(after_phase2))
     run_notebook("calibration_record", run, params, log_path=tmp_path / "LOG.md", raise_on_error=True)
     m = json.loads((run / "metrics.json").read_text())
     ws = m["results"]["worlds"]
