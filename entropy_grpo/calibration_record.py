@@ -10,7 +10,7 @@ import json, re
 from pathlib import Path
 
 from .calibration import STYLE_WORLDS, WORLDS, job_results, replicate
-from .utils import wilson
+from .utils import save_figure, wilson
 
 # %% auto #0
 __all__ = ['JOB_FOLDERS', 'TWO_POOLS', 'WANT_OF_STYLE', 'read_block', 'style_of_counts', 'on_policy_above', 'on_policy_rule',
@@ -150,5 +150,5 @@ def record_figure(rec:dict, path:str|Path|None=None):
     ax.set(ylabel="launch rate (95% interval)", ylim=(-0.05, 1.05),
            title="The record: launches pooled over both blocks (green: must-show met; grey: near the line)")
     fig.tight_layout()
-    if path: fig.savefig(path, dpi=80)
+    if path: save_figure(fig, path, dpi=80)
     return fig
