@@ -21,8 +21,8 @@ from .sequences import (BatchedSequences, GenerationConfig, LogprobResults, comp
 from .utils import kept_modes, tqdm_disable
 
 # %% auto #0
-__all__ = ['PROBE_BATCH_KEYS', 'hf_generation_config', 'own_generation_config', 'SequenceProcessor', 'check_probe_batch',
-           'make_probe_batch', 'to_batched_sequences', 'as_batched_sequences']
+__all__ = ['PROBE_BATCH_KEYS', 'hf_generation_config', 'own_generation_config', 'SequenceProcessor', 'stop_tokens',
+           'check_probe_batch', 'make_probe_batch', 'to_batched_sequences', 'as_batched_sequences']
 
 # %% ../nbs/00_sequence_processor.ipynb #fbc0c92f
 def hf_generation_config(cfg:GenerationConfig, tokenizer, eos_token_id=None):
@@ -94,17 +94,25 @@ class SequenceProcessor:
         self.model, self.tokenizer = model, tokenizer
         self.config = config if config is not None else GenerationConfig()
         self.progress = progress    # tqdm: None = only on a terminal
-        self.eos = eos_token_id     # the stop tokens; None: the model's generation config's, else the tokenizer's
+        self.eos = eos_token_id     # the stop tokens; None: `stop_tokens` of model and tokenizer
         prepare_tokenizer(tokenizer)
 
 # %% ../nbs/00_sequence_processor.ipynb #92010b38
 @patch(as_prop=True)
 def device(self:SequenceProcessor): return next(self.model.parameters()).device
 
+def stop_tokens(generation_eos:int|list|None, tokenizer_eos:int|None) -> list[int]:
+    "The ids that end a completion: the tokenizer's EOS, then every one the model's generation config lists (TRL's"
+    " `eos_token_ids`, so both engines stop alike)."
+    g = [] if generation_eos is None else [generation_eos] if isinstance(generation_eos, int) else list(generation_eos)
+    return g if tokenizer_eos is None or tokenizer_eos in g else [tokenizer_eos, *g]
+
 @patch(as_prop=True)
 def eos_token_id(self:SequenceProcessor):
-    e = self.eos if self.eos is not None else self.model.generation_config.eos_token_id
-    return e if e is not None else self.tokenizer.eos_token_id
+    "The stop tokens given, else `stop_tokens` of the model and tokenizer: an int when there is one, None if none."
+    if self.eos is not None: return self.eos
+    ids = stop_tokens(self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id)
+    return None if not ids else ids[0] if len(ids) == 1 else ids
 
 @patch
 def _context_len(self:SequenceProcessor):

@@ -23,7 +23,7 @@ from .probes import GRAD_H_ESTIMATORS, entropy_gradient
 from .projection_arms import COS_KEYS, GATES, VHack, arm_step
 from .rb_entropy import _scaled, token_stats
 from .sequence_processor import (BatchedSequences, GenerationConfig, SequenceProcessor, _final_logits,
-                                             completion_mask)
+                                             completion_mask, stop_tokens)
 from .trl_setup import check_parallelism, check_probe_memory, probe_memory
 from .utils import base_optimizer, check_choice, check_range
 
@@ -45,7 +45,7 @@ class ProbeConfig:
     project:bool=False              # project v_hack out of .grad before the optimizer step (needs v_hack)
     gate:str="one_sided"            # project_grad's gate
     overshoot:float=1.0             # project_grad's overshoot
-    rb_entropy:bool=True            # log the RB entropy of each generation batch, per token
+    rb_entropy:bool=True            # log the RB and full entropies of each generation batch, per token
     covariance:bool=True            # log Cui et al.'s covariance predictor of each optimizer step
     prefix:str="entropy_grpo/"      # metric names in TRL's logs
     seed:int=0                      # E's sampling seed: seed·1_000_003 + 1000·step + rank
@@ -99,20 +99,19 @@ def trl_eos_ids(trainer) -> list[int]:
     "The tokens that end a completion in a GRPOTrainer run: the tokenizer's EOS, then the model's generation"
     " config's (TRL's `eos_token_ids`; built the same way on a TRL that has no such attribute)."
     if (ids := getattr(trainer, "eos_token_ids", None)) is not None: return list(ids)
-    g = trainer.model.generation_config.eos_token_id
-    g = [] if g is None else [g] if isinstance(g, int) else list(g)
-    e = getattr(trainer.processing_class, "tokenizer", trainer.processing_class).eos_token_id
-    return g if e in g else [e, *g]
+    tok = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    return stop_tokens(trainer.model.generation_config.eos_token_id, tok.eos_token_id)
 
 # %% ../nbs/08_trl_callback.ipynb #8ec3657e
 class GenerateEntropy:
-    "Wraps `model.generate`: the RB entropy of each sampled token's distribution, from the logits generate computes."
+    "Wraps `model.generate`: the RB and full-vocabulary entropies of each sampled token's distribution, from the logits"
+    " generate computes."
     def __init__(
         self,
         model,                      # the model whose `generate` TRL calls (the trainer's model, peft or not)
         config:GenerationConfig,    # temperature, top_p, top_k of that generate
         eos_token_ids,              # int or list: a completion ends after its first EOS
-        on_batch=None,              # on_batch(rb [N, L], mask [N, L]) after each generate call
+        on_batch=None,              # on_batch(rb, full, mask), each [N, L], after each generate
     ):
         self.model, self.config, self.eos, self.on_batch = model, config, eos_token_ids, on_batch
         self.generate, self.last = model.generate, None
@@ -131,7 +130,8 @@ def _hook(self:GenerateEntropy, steps):
     c = self.config
     def hook(module, args, out):
         x = _scaled(_final_logits(self.model, out[:, -1].detach()), c.temperature)   # [N, V] as generate warps it
-        steps.append(token_stats(x, None, c.top_p, c.top_k)["rb"])
+        st = token_stats(x, None, c.top_p, c.top_k, full=True)
+        steps.append(torch.stack([st["rb"], st["full"]], -1))                         # [N, 2]
     return hook
 
 # %% ../nbs/08_trl_callback.ipynb #80de6b34
@@ -146,10 +146,10 @@ def __call__(self:GenerateEntropy, *args, **kwargs):
     comp = ids[:, P:]                                                          # [N, L]
     mask = completion_mask(comp, torch.ones_like(comp), torch.zeros(len(comp), dtype=torch.long,
                                                                     device=comp.device), self.eos)
-    rb = torch.stack(steps[:comp.shape[1]], 1) if comp.shape[1] else comp.new_zeros(comp.shape, dtype=torch.float)
-    self.last = dict(sequences=ids, prompt_len=P, rb=rb, mask=mask,
+    H = torch.stack(steps[:comp.shape[1]], 1) if comp.shape[1] else comp.new_zeros((*comp.shape, 2), dtype=torch.float)
+    self.last = dict(sequences=ids, prompt_len=P, rb=H[..., 0], full=H[..., 1], mask=mask,      # [N, L] each
                      attention_mask=kwargs.get("attention_mask"))
-    if self.on_batch is not None: self.on_batch(rb, mask)
+    if self.on_batch is not None: self.on_batch(H[..., 0], H[..., 1], mask)
     return out
 
 # %% ../nbs/08_trl_callback.ipynb #bac58df8
@@ -196,7 +196,7 @@ def pop(self:LossWeights) -> Tensor|None:
 class GRPOProbe:
     "ΔH_true, ΔH₁, v_hack alignment (and projection) and the sampled distribution's entropy inside a GRPOTrainer run."
     " Every score is of the dropout-free policy π_θ; TRL samples in train mode, so with `lora_dropout` > 0 its"
-    " completions and `entropy_rb` come from the policy under dropout."
+    " completions and `entropy_rb`/`entropy_full` come from the policy under dropout."
     def __init__(
         self,
         trainer,                        # the trl.GRPOTrainer this callback measures
@@ -259,7 +259,8 @@ def on_train_begin(self:GRPOProbe, args, state, control, model=None, **kw):
         self.copy = {n: own[n] for n in self.live}
         self.probe = DeltaEntropyIS(self.sp.model, self.sp.config, sequence_processor=self.sp)
     if c.rb_entropy and getattr(tr, "use_vllm", False):
-        warnings.warn("GRPOProbe: entropy_rb is not logged with vLLM generation (its logits stay in vLLM)")
+        warnings.warn("GRPOProbe: entropy_rb and entropy_full are not logged with vLLM generation (its logits stay in "
+                      "vLLM)")
     elif c.rb_entropy:
         self.entropy_hook = GenerateEntropy(model, self.generation, self.eos, self._on_generation).install()
     if c.covariance: self.loss_weights = LossWeights(tr).install()
@@ -296,19 +297,19 @@ def _remove_on_exit(self:GRPOProbe):
 
 # %% ../nbs/08_trl_callback.ipynb #1763e0c8
 @patch
-def _on_generation(self:GRPOProbe, rb:Tensor, mask:Tensor):
-    "One generation batch's RB entropy per token: summed and counted on this rank until the next flush."
+def _on_generation(self:GRPOProbe, rb:Tensor, full:Tensor, mask:Tensor):
+    "One generation batch's RB and full entropies per token [N, L]: summed and counted on this rank until the flush."
     mode = "train" if self.trainer.model.training else "eval"
-    s = torch.stack([(rb * mask).sum().double(), mask.sum().double()])
+    s = torch.stack([(rb * mask).sum().double(), (full * mask).sum().double(), mask.sum().double()])
     self._rb[mode] = s if mode not in self._rb else self._rb[mode] + s.to(self._rb[mode].device)
 
 @patch
 def _flush_rb(self:GRPOProbe, mode:str):
-    "The RB entropy per token of every rank's generations since the last flush (one all-reduce), into TRL's metrics."
+    "The entropies per token of every rank's generations since the last flush (one all-reduce), into TRL's metrics."
     if not self.config.rb_entropy: return
     dev = next(self.trainer.model.parameters()).device
-    s = all_reduce_sum([self._rb.pop(mode, torch.zeros(2, dtype=torch.float64, device=dev)).to(dev)])[0]
-    if s[1] > 0: self._log(dict(entropy_rb=float(s[0] / s[1])), mode)
+    s = all_reduce_sum([self._rb.pop(mode, torch.zeros(3, dtype=torch.float64, device=dev)).to(dev)])[0]
+    if s[2] > 0: self._log(dict(entropy_rb=float(s[0] / s[2]), entropy_full=float(s[1] / s[2])), mode)
 
 @patch
 def on_prediction_step(self:GRPOProbe, args, state, control, **kw): self._flush_rb("eval")

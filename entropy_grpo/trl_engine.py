@@ -267,8 +267,8 @@ def trl_trainer(
     callbacks:tuple=(),          # more transformers TrainerCallbacks, called after the engine's own
     **overrides,                 # GRPOConfig fields over `grpo_config`'s
 )->"GRPOTrainer":
-    "A GRPOTrainer running `config`'s step on `task`, wired as `train_trl` runs it: GRPOProbe (entropy_rb, and v_hack's"
-    " alignment or projection), ClipAfterArm, StepLog."
+    "A GRPOTrainer running `config`'s step on `task`, wired as `train_trl` runs it: GRPOProbe (entropy_rb and"
+    " entropy_full, v_hack's alignment or projection), ClipAfterArm, StepLog."
     from transformers import PrinterCallback
     from trl import GRPOTrainer
     if config.beta and adapter is None: raise ValueError(f"beta={config.beta} needs adapter= (the reference: it zeroed)")

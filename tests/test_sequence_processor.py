@@ -288,3 +288,25 @@ def test_generate_batched_reads_each_prompt_once(lora):
                              generation_config=hf_generation_config(cfg, tok, sp.eos_token_id))
     L = out.shape[1] - P
     assert torch.equal(bs.sequences[..., P:P + L], out[:, P:].view(B, G, L))
+
+
+def test_a_completion_ends_at_the_tokenizers_eos_or_the_generation_configs(tiny):
+    "The tokenizer's EOS moved to the token the policy samples most (a fine-tune's end of turn) while the generation"
+    " config keeps the old one: every completion ends at its first of the two, and some end at each."
+    model, tok = copy.deepcopy(tiny)
+    cfg = GenerationConfig(temperature=1.0, max_new_tokens=8, num_generations=32, seed=0)
+    old = tok.eos_token_id
+    common = int(SequenceProcessor(model, tok, cfg, progress=False).generate_batched(PROMPTS[:1]).sequences.flatten()
+                 .mode().values)
+    model.generation_config.eos_token_id, tok.eos_token = old, tok.convert_ids_to_tokens(common)
+    sp = SequenceProcessor(model, tok, cfg, progress=False)
+    assert sp.eos_token_id == [common, old]
+    bs = sp.generate_batched(PROMPTS)
+    gen, ends = bs.sequences[..., bs.prompt_lens[0]:], set()
+    for b in range(len(PROMPTS)):
+        for g in range(32):
+            row = gen[b, g].tolist()
+            stop = next((i for i, t in enumerate(row) if t in (common, old)), None)
+            assert int(bs.gen_lens[b, g]) == (len(row) if stop is None else stop + 1), (b, g, row)
+            if stop is not None: ends.add(row[stop])
+    assert ends == {common, old}

@@ -1,7 +1,8 @@
 """trl_callback inside a real TRL GRPOTrainer (tiny policy, CPU, 3 steps): the logged ΔH_true equals DeltaEntropyIS on
 the same E between the recorded θ and θ⁺ (float64, 1e-9), ΔH₁ equals ⟨∇H(E), θ⁺ − θ⟩, the projected gradient is
 project_grad of TRL's clipped one, optimizer_delta reads accelerate's optimizer, the metrics reach the log history
-(and a tensorboard event file), and entropy_rb equals the teacher-forced RB entropy of the completions generated."""
+(and a tensorboard event file), and entropy_rb, entropy_full equal the teacher-forced entropies of the completions
+generated."""
 import copy, math
 
 import pytest
@@ -157,9 +158,10 @@ def test_lora_run_logs_the_true_entropy_change_of_each_step_and_projects_as_proj
             torch.testing.assert_close(d, b["theta_plus"][n] - b["theta"][n], rtol=1e-4, atol=1e-7)
     assert list(logged(trainer, "frac_fired").values()) == pytest.approx(fired) and max(fired) > 0
     assert all(logged(trainer, "cos_out")[s] < logged(trainer, "cos_in")[s] for s in (1, 2, 3) if fired[s - 1])
-    for key in ("deltaH_true_fixed_support", "deltaH_support_change", "ess_frac", "coverage", "entropy_rb", "cos_in"):
+    for key in ("deltaH_true_fixed_support", "deltaH_support_change", "ess_frac", "coverage", "entropy_rb", "entropy_full",
+                "cos_in"):
         assert sorted(logged(trainer, key)) == [1, 2, 3], key
-    # entropy_rb: the last generate call's per-token RB entropies against teacher forcing of the same completions
+    # entropy_rb, entropy_full: the last generate call's per-token entropies against teacher forcing of the same completions
     last = probe.entropy_hook.last
     seqs, Pl, m = last["sequences"], last["prompt_len"], last["mask"]
     batch = BatchedSequences(seqs[:, None], torch.cat([last["attention_mask"], m.long()], 1)[:, None], [Pl] * len(seqs),
@@ -171,7 +173,10 @@ def test_lora_run_logs_the_true_entropy_change_of_each_step_and_projects_as_proj
     sp = SequenceProcessor(model, copy.deepcopy(trainer.processing_class), sampling_config(trainer))
     tf, _ = sp.teacher_force_logprobs(batch)
     torch.testing.assert_close(last["rb"][m], tf.rb_entropies[:, 0][m], rtol=1e-5, atol=1e-5)
-    assert logged(trainer, "entropy_rb")[3] == pytest.approx(float(last["rb"][m].mean()), rel=1e-6)
+    torch.testing.assert_close(last["full"][m], tf.full_entropies[:, 0][m], rtol=1e-5, atol=1e-5)
+    assert last["full"][m].mean() > last["rb"][m].mean()                     # top_p < 1: the kept set is smaller
+    for key in ("rb", "full"):
+        assert logged(trainer, f"entropy_{key}")[3] == pytest.approx(float(last[key][m].mean()), rel=1e-6)
     assert "generate" not in trainer.model.__dict__                          # the hook is gone after training
 
 

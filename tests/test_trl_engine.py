@@ -121,8 +121,8 @@ SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", 
 
 def test_both_engines_sample_with_the_same_knobs_whatever_the_models_generation_config(tmp_path, monkeypatch):
     "A model whose generation_config sets knobs neither engine asks for (min_p, no_repeat_ngram_size, a repetition"
-    " penalty, its own top_k and temperature): the config `generate` ends up with is the run's own in both engines,"
-    " knob for knob, with the same stop tokens."
+    " penalty, its own top_k and temperature, an EOS its tokenizer does not use): the config `generate` ends up with"
+    " is the run's own in both engines, knob for knob, with the same stop tokens."
     import transformers.generation.utils as gu
     seen, prepare = [], gu.GenerationMixin._prepare_generation_config
     def spy(self, *args, **kw):
@@ -134,14 +134,15 @@ def test_both_engines_sample_with_the_same_knobs_whatever_the_models_generation_
                                                                       top_k=5))
     model, tok, adapter = policy("delta_s")
     model.generation_config.update(min_p=0.2, no_repeat_ngram_size=2, repetition_penalty=1.3, top_k=50,
-                                   temperature=0.3)
-    trl_trainer(model, tok, DigitTask(n=8), tc, tmp_path, adapter=adapter).train()
+                                   temperature=0.3, eos_token_id=(old_eos := tok.eos_token_id))
+    tok.eos_token = tok.convert_ids_to_tokens(5)                                  # a fine-tune's own end of turn
     SequenceProcessor(model, tok, tc.generation, progress=False).generate_batched(["1 2 3"], seed=0)
-    trl_cfg, ours = seen[0], seen[-1]
+    trl_trainer(model, tok, DigitTask(n=8), tc, tmp_path, adapter=adapter).train()
+    ours, trl_cfg = seen[0], seen[-1]
     assert len(seen) == 2 and (ours.temperature, ours.top_k, ours.top_p, ours.min_p) == (0.7, 5, 0.9, None)
     assert {k: getattr(trl_cfg, k, None) for k in SAMPLING} == {k: getattr(ours, k, None) for k in SAMPLING}
     stops = lambda c: sorted({c.eos_token_id} if isinstance(c.eos_token_id, int) else set(c.eos_token_id))
-    assert stops(trl_cfg) == stops(ours)
+    assert stops(trl_cfg) == stops(ours) == sorted({5, old_eos})
     assert model.generation_config.min_p == 0.2                                   # the model's own: left as it was
 
 
@@ -237,7 +238,7 @@ def test_vllm_samples_from_the_policy_being_trained(tmp_path):
     log = train_trl(model, tok, DigitTask(n=16), tc, tmp_path, adapter=adapter, vllm_gpu_memory_utilization=0.3)
     diff = [r["sampling/sampling_logp_difference/mean"] for r in log]
     assert len(diff) == 4 and max(diff[1:]) < 2 * diff[0] + 0.02, diff
-    assert "entropy_rb" not in log[-1]                                       # its logits stay in vLLM
+    assert not {"entropy_rb", "entropy_full"} & set(log[-1])                   # their logits stay in vLLM
 
 
 def test_the_engines_project_v_hack_alike(tmp_path):
