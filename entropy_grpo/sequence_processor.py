@@ -97,15 +97,17 @@ class SequenceProcessor:
         self.eos = eos_token_id     # the stop tokens; None: `stop_tokens` of model and tokenizer
         prepare_tokenizer(tokenizer)
 
-# %% ../nbs/00_sequence_processor.ipynb #92010b38
-@patch(as_prop=True)
-def device(self:SequenceProcessor): return next(self.model.parameters()).device
-
+# %% ../nbs/00_sequence_processor.ipynb #5e0f57a0
 def stop_tokens(generation_eos:int|list|None, tokenizer_eos:int|None) -> list[int]:
     "The ids that end a completion: the tokenizer's EOS, then every one the model's generation config lists (TRL's"
     " `eos_token_ids`, so both engines stop alike)."
     g = [] if generation_eos is None else [generation_eos] if isinstance(generation_eos, int) else list(generation_eos)
     return g if tokenizer_eos is None or tokenizer_eos in g else [tokenizer_eos, *g]
+
+
+# %% ../nbs/00_sequence_processor.ipynb #92010b38
+@patch(as_prop=True)
+def device(self:SequenceProcessor): return next(self.model.parameters()).device
 
 @patch(as_prop=True)
 def eos_token_id(self:SequenceProcessor):
