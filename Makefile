@@ -75,13 +75,17 @@ record-engines-smollm2: setup
 	    -p v_hack="'runs/hackbed/block1/A-phase2/v_hack.safetensors'"
 	# the bed's report again, with these runs read beside block 1's
 	$(BIN)/python -c "from entropy_grpo.experiments import run_notebook; \
-	    run_notebook('hackbed', 'runs/hackbed/report', dict(engines_dir='runs/engines/smollm2/trl'), progress=True)"
+	    run_notebook('hackbed', 'runs/hackbed/report', dict(engines_dirs=$(ENGINES_DIRS)), progress=True)"
 
-# Its second block (the protocol's addendum 2): seeds 2000-2029, beside the bed's block 2, the vanilla arm's runs first.
+# Its second block (the protocol's addendum 2): seeds 2000-2029, beside the bed's block 2, the vanilla arm's runs first;
+# then the bed's report with both blocks read and each label replicated (or "near the line").
+ENGINES_DIRS := {'block1': 'runs/engines/smollm2/trl', 'block2': 'runs/engines/smollm2/trl-block2'}
 record-engines-smollm2-2: setup
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/entropy-grpo sweep --out runs/engines/smollm2/trl-block2 --steps 16 \
 	    --force --max-parallel 1 --seeds $$(seq 2000 2029) --arms vanilla projected -p preset="'leak'" \
 	    -p engine="'trl'" -p v_hack="'runs/hackbed/block2/A-phase2/v_hack.safetensors'"
+	$(BIN)/python -c "from entropy_grpo.experiments import run_notebook; \
+	    run_notebook('hackbed', 'runs/hackbed/report', dict(engines_dirs=$(ENGINES_DIRS)), progress=True)"
 
 # The runs of record, committed under runs/ (each command re-runs its report; finished calibration jobs are kept; ~17 h
 # of one CPU core, most of it the calibration: 720 Phase-2 runs × ~15 s, 580 Phase-3 seeds (80 in each of seven

@@ -198,33 +198,40 @@ def _made_up_bed(root, seeds=range(6), steps=10):
 def test_hackbed_template_reads_a_made_up_bed(tmp_path):
     """The bed's report: no label while a block misses a run; once both blocks are whole, setting A (projection slows
     hacking far more than the decoy) shows an effect and setting B (decoy and random alike) none, and both decisions
-    agree; the costs, the curves, the TRL section, the deviations file and the reading come through."""
+    agree; the costs, the curves, the TRL section (a block read once it is whole, the label replicated once both
+    are), the deviations file and the reading come through."""
     bed, run = tmp_path / "bed", tmp_path / "bed" / "report"
     _made_up_bed(bed)
     missing = bed / "block2" / "random" / "5-projected"
     (missing / "metrics.json").rename(missing / "metrics.partial")
-    params = dict(bed_dir=str(bed), first_seeds=dict(block1=0, block2=0), engines_dir=str(bed / "block1" / "arms"),
-                  engines_block="block2")   # block 1's arms stand in for TRL's, read beside block 2's once it is whole
+    params = dict(bed_dir=str(bed), first_seeds=dict(block1=0, block2=0),   # each block's arms stand in for TRL's
+                  engines_dirs=dict(block1=str(bed / "block2" / "arms"), block2=str(bed / "block1" / "arms")))
     assert run_notebook("hackbed", run, params, log_path=tmp_path / "LOG.md", raise_on_error=True)["status"] == "ok"
     m = json.loads((run / "metrics.json").read_text())
     assert m["results"]["labels"] == dict(A=None, B=None) and m["summary"] == "A: no label yet; B: no label yet"
     rec = json.loads((run / "bed.json").read_text())
     assert rec["blocks"]["block2"]["missing"] == [5] and rec["blocks"]["block1"]["costs"]["arms"][0]["runs"] == 6
-    assert m["results"]["engines"] is None and "No deviations file" in (run / "report.ipynb").read_text()
+    assert list(m["results"]["engines"]["blocks"]) == ["block1"] and m["results"]["engines"]["replicated"] is None
+    assert "block2: not read" in (run / "report.ipynb").read_text()
+    assert "No deviations file" in (run / "report.ipynb").read_text()
     assert "No reading at" in (run / "report.ipynb").read_text()
     (missing / "metrics.partial").rename(missing / "metrics.json")
     (bed / "DEVIATIONS.md").write_text("* made-up deviation: none of these runs happened\n")
     (bed / "READING.md").write_text("A made-up reading of a made-up bed.\n")
     run_notebook("hackbed", run, params, log_path=tmp_path / "LOG.md", raise_on_error=True)
     m = json.loads((run / "metrics.json").read_text())
-    assert m["results"]["labels"] == dict(A="effect", B="no effect") and m["results"]["engines"]["complete"]
+    assert m["results"]["labels"] == dict(A="effect", B="no effect")
+    engines = m["results"]["engines"]
+    assert list(engines["blocks"]) == ["block1", "block2"] and all(e["complete"] for e in engines["blocks"].values())
+    same = engines["replicated"]["hack_rate (last_fifth) vanilla"]           # the same arms' runs in both blocks
+    assert same["labels"] == ["same", "same"] and same["label"] == "same" and len(engines["replicated"]) == 12
     assert m["results"]["agreement"] == dict(block1=dict(A=True, B=True), block2=dict(A=True, B=True))
     ties = {(b, st): d["gate"]["tie"] for b, r in json.loads((run / "bed.json").read_text())["blocks"].items()
             for st, d in r["decisions"].items()}
     assert ties == {("block1", "A"): True, ("block1", "B"): False, ("block2", "A"): False, ("block2", "B"): False}
     assert "t 3.41 / q 3.41 (tie)" in (run / "report.ipynb").read_text()
     assert m["figures"] == ["block1-delta_s.png", "block1-lora.png", "block2-delta_s.png", "block2-lora.png",
-                            "engines.png"]                           # the TRL section's curves last
+                            "engines-block1.png", "engines-block2.png"]     # the TRL section's curves last
     assert all((run / f).exists() for f in m["figures"]) and "made-up deviation" in (run / "report.ipynb").read_text()
     assert "A made-up reading" in (run / "report.ipynb").read_text()
 
