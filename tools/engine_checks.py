@@ -1,17 +1,23 @@
 """Where could the SmolLM2 engine record's difference come from? Four checks on the bed's `leak` setting (SmolLM2, δS,
-AdamW 3e-2), each against an exact answer; runs/engines/smollm2/RESULT.md reports what they printed.
+AdamW 3e-2), each against an exact answer, and one reading of the record's curves; runs/engines/smollm2/RESULT.md
+reports what they printed.
 
   steps N    TRL's first N steps, their batches replayed through the package's loop: the δS each reaches
   knobs      the GenerationConfig `generate` ends up with in each engine, and the prompt ids each feeds it
   prefix     the package's shared-prefix sampler against plain `generate` (TRL's call), same seeds: the replies
   resume     a TRL run killed after step 2's log line and run again, against the uninterrupted run (3 steps)
+  curves     a block's TRL − package difference per step and arm (mean ± se over its seeds): where the gap opens
 
-usage: OMP_NUM_THREADS=1 .venv/bin/python tools/engine_checks.py steps 3 | knobs | prefix | resume"""
+usage: OMP_NUM_THREADS=1 .venv/bin/python tools/engine_checks.py steps 3 | knobs | prefix | resume
+       .venv/bin/python tools/engine_checks.py curves runs/engines/smollm2/trl runs/hackbed/block1 1000 30"""
 import dataclasses, shutil, sys, tempfile
 from pathlib import Path
 
+import numpy as np
+
 from transformers import TrainerCallback
 
+from entropy_grpo.bed_record import bed_curves, block_curves
 from entropy_grpo.checkpoints import trainable_parameters
 from entropy_grpo.phase3_run import Phase3Config, Phase3Run
 from entropy_grpo.sequence_processor import SequenceProcessor
@@ -94,7 +100,16 @@ def resume(tmp:Path):
     print(f"|δS_resumed − δS_uninterrupted| {norm(resumed[k] - clean[k] for k in clean):.3e}")
 
 
+def curves(tmp:Path, trl_dir:str, block_dir:str, first:str, n:str):
+    trl, package, seeds = bed_curves(trl_dir), block_curves(block_dir), range(int(first), int(first) + int(n))
+    for arm in ("vanilla", "projected"):
+        for key in ("hack_rate", "gt_pass_rate", "reward_mean"):
+            d = np.array([trl[arm][s][key] for s in seeds]) - np.array([package[arm][s][key] for s in seeds])
+            mean, se = d.mean(0), d.std(0, ddof=1) / len(d) ** .5                # [steps] each
+            print(f"{arm} {key} (TRL − package, step 0 on):", " ".join(f"{m:+.3f}±{e:.3f}" for m, e in zip(mean, se)))
+
+
 if __name__ == "__main__":
     check, args, tmp = sys.argv[1], sys.argv[2:], Path(tempfile.mkdtemp())
-    try: dict(steps=steps, knobs=knobs, prefix=prefix, resume=resume)[check](tmp, *args)
+    try: dict(steps=steps, knobs=knobs, prefix=prefix, resume=resume, curves=curves)[check](tmp, *args)
     finally: shutil.rmtree(tmp, ignore_errors=True)
