@@ -6,14 +6,17 @@ reports what they printed.
   knobs      the GenerationConfig `generate` ends up with in each engine, and the prompt ids each feeds it
   prefix     the package's shared-prefix sampler against plain `generate` (TRL's call), same seeds: the replies
   resume     a TRL run killed after step 2's log line and run again, against the uninterrupted run (3 steps)
+  draws      TRL's own step-0 `generate` call (the trainer as a run wires it, GRPOProbe's hook on) against the
+             package's sampler, the same prompts and the same seed: the completions, token for token
   curves     a block's TRL − package difference per step and arm (mean ± se over its seeds): where the gap opens
 
-usage: OMP_NUM_THREADS=1 .venv/bin/python tools/engine_checks.py steps 3 | knobs | prefix | resume
+usage: OMP_NUM_THREADS=1 .venv/bin/python tools/engine_checks.py steps 3 | knobs | prefix | resume | draws
        .venv/bin/python tools/engine_checks.py curves runs/engines/smollm2/trl runs/hackbed/block1 1000 30"""
 import dataclasses, shutil, sys, tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from transformers import TrainerCallback
 
@@ -81,6 +84,25 @@ def prefix(tmp:Path):
     print(f"replies equal: {same} of {8 * r.gen.num_generations}")
 
 
+def draws(tmp:Path):
+    r = bed_run(tmp)
+    trainer = trl_trainer(r.adapter.model, r.tok, r.task, r.train_config, tmp, adapter=r.adapter)
+    sp, G = SequenceProcessor(r.adapter.model, r.tok, r.gen, progress=False), r.gen.num_generations
+    same = total = 0
+    for i in range(0, 16, 4):                     # four steps' worth of prompts, 4 × G each, one generate call each
+        prompts = [r.task.prompt(p, r.tok) for p in r.task.problems[i:i + 4]]
+        seqs = sp.generate_batched(prompts, seed=i)
+        ours = [seqs.sequences[b, g, seqs.prompt_lens[b]:seqs.prompt_lens[b] + seqs.gen_lens[b, g]].tolist()
+                for b in range(4) for g in range(G)]
+        ids, _, _ = trainer._tokenize_prompts([p for p in prompts for _ in range(G)])
+        torch.manual_seed(i * 1_000_003)                   # the seed the package's sampler gives this call
+        theirs, _ = trainer._generate_single_turn(ids, None, {}, G)
+        same, total = same + sum(a == b for a, b in zip(theirs, ours)), total + len(ours)
+        print(f"prompts {i}-{i + 3}: mean length TRL {np.mean([len(t) for t in theirs]):.2f}, package "
+              f"{np.mean([len(t) for t in ours]):.2f}")
+    print(f"completions equal token for token: {same} of {total}")
+
+
 class Crash(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kw):
         if state.global_step == 2: raise KeyboardInterrupt
@@ -111,5 +133,5 @@ def curves(tmp:Path, trl_dir:str, block_dir:str, first:str, n:str):
 
 if __name__ == "__main__":
     check, args, tmp = sys.argv[1], sys.argv[2:], Path(tempfile.mkdtemp())
-    try: dict(steps=steps, knobs=knobs, prefix=prefix, resume=resume, curves=curves)[check](tmp, *args)
+    try: dict(steps=steps, knobs=knobs, prefix=prefix, resume=resume, draws=draws, curves=curves)[check](tmp, *args)
     finally: shutil.rmtree(tmp, ignore_errors=True)
