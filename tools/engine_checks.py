@@ -6,8 +6,9 @@ reports what they printed.
   knobs      the GenerationConfig `generate` ends up with in each engine, and the prompt ids each feeds it
   prefix     the package's shared-prefix sampler against plain `generate` (TRL's call), same seeds: the replies
   resume     a TRL run killed after step 2's log line and run again, against the uninterrupted run (3 steps)
-  draws      TRL's own step-0 `generate` call (the trainer as a run wires it, GRPOProbe's hook on) against the
-             package's sampler, the same prompts and the same seed: the completions, token for token
+  draws      TRL's own `generate` call (`_generate_single_turn` of the trainer as a run builds it; GRPOProbe's
+             entropy hook, installed when training begins, is not on) against the package's sampler, the same
+             prompts and the same seed: the completions, token for token
   curves     a block's TRL − package difference per step and arm (mean ± se over its seeds): where the gap opens
 
 usage: OMP_NUM_THREADS=1 .venv/bin/python tools/engine_checks.py steps 3 | knobs | prefix | resume | draws
