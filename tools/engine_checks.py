@@ -1,19 +1,25 @@
-"""Where could the SmolLM2 engine record's difference come from? Four checks on the bed's `leak` setting (SmolLM2, δS,
-AdamW 3e-2), each against an exact answer, and one reading of the record's curves; runs/engines/smollm2/RESULT.md
-reports what they printed.
+"""Where could the SmolLM2 engine record's difference come from? Five checks on the bed's `leak` setting (SmolLM2, δS,
+AdamW 3e-2), each against an exact answer, one reading of the record's curves and one split of its step-0 completion
+length into prompts and draw; runs/engines/smollm2/RESULT.md reports what they printed.
 
   steps N    TRL's first N steps, their batches replayed through the package's loop: the δS each reaches
   knobs      the GenerationConfig `generate` ends up with in each engine, and the prompt ids each feeds it
   prefix     the package's shared-prefix sampler against plain `generate` (TRL's call), same seeds: the replies
   resume     a TRL run killed after step 2's log line and run again, against the uninterrupted run (3 steps)
-  draws      TRL's own `generate` call (`_generate_single_turn` of the trainer as a run builds it; GRPOProbe's
-             entropy hook, installed when training begins, is not on) against the package's sampler, the same
-             prompts and the same seed: the completions, token for token
+  draws      TRL's own `generate` call (`_generate_single_turn` of the trainer as a run builds it, GRPOProbe's
+             entropy hook on, as training begins it) against the package's sampler, the same prompts and the same
+             seed: the completions, token for token
   curves     a block's TRL − package difference per step and arm (mean ± se over its seeds): where the gap opens
+  prompts    each seed's step-0 prompts in each engine (TRL's RepeatSampler, the package's `step_problems`), both
+             sampled by the package's sampler with the package's step-0 seed: its own replayed against its log, and
+             the completion length each engine's prompts give under one draw; at the first seed, TRL's real step 0
+             (the prompts it got, its length, its generate call made again out of training)
 
 usage: OMP_NUM_THREADS=1 .venv/bin/python tools/engine_checks.py steps 3 | knobs | prefix | resume | draws
-       .venv/bin/python tools/engine_checks.py curves runs/engines/smollm2/trl runs/hackbed/block1 1000 30"""
-import dataclasses, shutil, sys, tempfile
+       .venv/bin/python tools/engine_checks.py curves runs/engines/smollm2/trl runs/hackbed/block1 1000 30
+       OMP_NUM_THREADS=1 .venv/bin/python tools/engine_checks.py prompts runs/engines/smollm2/trl \
+           runs/hackbed/block1 1000 30"""
+import dataclasses, itertools, json, shutil, sys, tempfile
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +27,14 @@ import torch
 
 from transformers import TrainerCallback
 
-from entropy_grpo.bed_record import bed_curves, block_curves
+from entropy_grpo.bed_record import BLOCK_ARMS, bed_curves, block_curves
 from entropy_grpo.checkpoints import trainable_parameters
 from entropy_grpo.phase3_run import Phase3Config, Phase3Run
 from entropy_grpo.sequence_processor import SequenceProcessor
-from entropy_grpo.trl_engine import both_engines, train_trl, trl_trainer
+from entropy_grpo.tasks import load_task
+from entropy_grpo.training import step_problems
+from entropy_grpo.trl_callback import GRPOProbe
+from entropy_grpo.trl_engine import Replay, StepBatches, both_engines, train_trl, trl_trainer
 
 V_HACK = "runs/hackbed/block1/A-phase2/v_hack.safetensors"   # what block 1's arms measured or projected
 
@@ -88,6 +97,9 @@ def prefix(tmp:Path):
 def draws(tmp:Path):
     r = bed_run(tmp)
     trainer = trl_trainer(r.adapter.model, r.tok, r.task, r.train_config, tmp, adapter=r.adapter)
+    probe = next(c for c in trainer.callback_handler.callbacks if isinstance(c, GRPOProbe))
+    probe.on_train_begin(trainer.args, trainer.state, trainer.control, model=trainer.model)   # the entropy hook
+    assert trainer.model.__dict__.get("generate") is probe.entropy_hook, "the entropy hook is not on"
     sp, G = SequenceProcessor(r.adapter.model, r.tok, r.gen, progress=False), r.gen.num_generations
     same = total = 0
     for i in range(0, 16, 4):                     # four steps' worth of prompts, 4 × G each, one generate call each
@@ -132,7 +144,64 @@ def curves(tmp:Path, trl_dir:str, block_dir:str, first:str, n:str):
             print(f"{arm} {key} (TRL − package, step 0 on):", " ".join(f"{m:+.3f}±{e:.3f}" for m, e in zip(mean, se)))
 
 
+def step0_len(job:Path) -> float: return json.loads((job/"log.jsonl").read_text().splitlines()[0])["completion_len"]
+
+
+def trl_step0(tmp:Path, seed:int) -> tuple:
+    "A TRL run's real step 0 at `seed`: (the prompts its generate got, as token-id lists; its logged completion_len)."
+    " Its generate call is made again after the run, out of training (eval mode, step 0's weights and RNG state)."
+    r = bed_run(tmp, 1, seed)
+    trainer = trl_trainer(r.adapter.model, r.tok, r.task, r.train_config, tmp, adapter=r.adapter)
+    batches, calls, generate = StepBatches(trainer).batches, [], trainer._generate_single_turn
+    def spy(*args, **kw):
+        calls.append((args, kw, torch.get_rng_state(), trainer.model.training))
+        out = generate(*args, **kw)
+        calls[-1] += (out[0],)
+        return out
+    live = trainable_parameters(r.adapter.model)
+    trainer._generate_single_turn, weights = spy, {k: v.detach().clone() for k, v in live.items()}
+    trainer.train()
+    args, kw, state, training, theirs = calls[0]
+    with torch.no_grad():
+        for k, v in live.items(): v.copy_(weights[k])
+    trainer.model.eval(); torch.set_rng_state(state)
+    again = generate(*args, **kw)[0]
+    print(f"TRL's step-0 generate ran in train mode: {training}; made again out of training: "
+          f"{sum(a == b for a, b in zip(again, theirs))} of {len(theirs)} completions equal")
+    return Replay(batches, r.gen.num_generations).prompts(0), step0_len(tmp)
+
+
+def prompts(tmp:Path, trl_dir:str, block_dir:str, first:str, n:str):
+    r = bed_run(tmp)
+    trainer = trl_trainer(r.adapter.model, r.tok, r.task, r.train_config, tmp, adapter=r.adapter)
+    sp = SequenceProcessor(r.adapter.model, r.tok, r.gen, progress=False)
+    B, G = r.train_config.prompts_per_step, r.gen.num_generations
+    def mean_len(task, problems, seed):
+        seqs = sp.generate_batched([task.prompt(p, r.tok, r.train_config.hint) for p in problems], seed=seed)
+        return float(seqs.gen_lens.float().mean())
+    rows, (d, a) = [], BLOCK_ARMS["vanilla"]
+    for s in range(int(first), int(first) + int(n)):
+        task = load_task(r.cfg.task, defaults=dict(n=r.cfg.sizes["problems"], seed=s))   # a run's pool is its seed's
+        trainer.args.seed = s                                  # TRL's sampler: the first generation batch's B prompts
+        theirs = [task.problems[i] for i in itertools.islice(trainer._get_train_sampler(), 0, B * G, G)]
+        if s == int(first):                                    # those prompts are the ones TRL's own step 0 gets
+            ids, length = trl_step0(tmp/"trl-step0", s)
+            same = ids == trainer._tokenize_prompts([task.prompt(p, r.tok, r.train_config.hint) for p in theirs])[0]
+            print(f"TRL's real step 0 at seed {s}: prompts as derived here {same}, completion_len {length:.3f}")
+        seed = s * 1_000_003 * 1_009                           # the package's step-0 sampling seed (`_train_step`)
+        rows.append([mean_len(task, step_problems(task, 0, B, s), seed), mean_len(task, theirs, seed),
+                     step0_len(Path(block_dir)/d/f"{s}-{a}"), step0_len(Path(trl_dir)/f"{s}-vanilla")])
+        print(s, "replayed package, TRL prompts, logged package, logged TRL:", " ".join(f"{x:.3f}" for x in rows[-1]))
+    ours, on_theirs, logged, logged_trl = np.array(rows).T
+    def diff(x): return f"{x.mean():+.3f} ± {x.std(ddof=1) / len(x) ** .5:.3f}"
+    print(f"replay equals the package's log in {int(np.isclose(ours, logged, atol=1e-4).sum())} of {len(rows)} seeds")
+    print(f"length, package sampler: TRL's prompts − the package's {diff(on_theirs - ours)}; logged TRL − the "
+          f"package sampler on TRL's prompts {diff(logged_trl - on_theirs)}; logged TRL − logged package "
+          f"{diff(logged_trl - logged)}")
+
+
 if __name__ == "__main__":
     check, args, tmp = sys.argv[1], sys.argv[2:], Path(tempfile.mkdtemp())
-    try: dict(steps=steps, knobs=knobs, prefix=prefix, resume=resume, draws=draws, curves=curves)[check](tmp, *args)
+    try: dict(steps=steps, knobs=knobs, prefix=prefix, resume=resume, draws=draws, curves=curves,
+                  prompts=prompts)[check](tmp, *args)
     finally: shutil.rmtree(tmp, ignore_errors=True)
