@@ -2,7 +2,8 @@
 AdamW 3e-2), each against an exact answer, one reading of the record's curves and one split of its step-0 completion
 length into prompts and draw; runs/engines/smollm2/RESULT.md reports what they printed.
 
-  steps N    TRL's first N steps, their batches replayed through the package's loop: the δS each reaches
+  steps N [FIRST COUNT]  TRL's first N steps at seeds FIRST… (default 1000, one seed), their batches replayed
+             through the package's loop: the δS each reaches
   knobs      the GenerationConfig `generate` ends up with in each engine, and the prompt ids each feeds it
   prefix     the package's shared-prefix sampler against plain `generate` (TRL's call), same seeds: the replies
   resume     a TRL run killed after step 2's log line and run again, against the uninterrupted run (3 steps)
@@ -15,7 +16,7 @@ length into prompts and draw; runs/engines/smollm2/RESULT.md reports what they p
              the completion length each engine's prompts give under one draw; at the first seed, TRL's real step 0
              (the prompts it got, its length, its generate call made again out of training)
 
-usage: OMP_NUM_THREADS=1 .venv/bin/python tools/engine_checks.py steps 3 | knobs | prefix | resume | draws
+usage: OMP_NUM_THREADS=1 .venv/bin/python tools/engine_checks.py steps 3 [1000 1] | knobs | prefix | resume | draws
        .venv/bin/python tools/engine_checks.py curves runs/engines/smollm2/trl runs/hackbed/block1 1000 30
        OMP_NUM_THREADS=1 .venv/bin/python tools/engine_checks.py prompts runs/engines/smollm2/trl \
            runs/hackbed/block1 1000 30"""
@@ -49,16 +50,18 @@ def bed_run(out:Path, steps:int=16, seed:int=1000) -> Phase3Run:
 def norm(tensors) -> float: return float(sum(float(t.detach().norm()) ** 2 for t in tensors) ** .5)
 
 
-def steps(tmp:Path, n:str):
-    a, b = bed_run(tmp/"trl", int(n)), bed_run(tmp/"package", int(n))
-    theirs, ours = both_engines(a.adapter.model, b.adapter.model, a.tok, a.task, a.train_config, tmp, a.adapter)
-    A, B = trainable_parameters(a.adapter.model), trainable_parameters(b.adapter.model)
-    print(f"after {n} steps: |δS_trl − δS_package| {norm(A[k] - B[k] for k in A):.3e} of |δS_trl| "
-          f"{norm(A.values()):.3e}")
-    for x, y in zip(theirs, ours.records):
-        print(f"step {x['step']}: loss {x['loss']:.6f} / {y['loss']:.6f}, reward {x['reward_mean']:.4f} / "
-              f"{y['reward_mean']:.4f}, entropy_rb {x['entropy_rb']:.4f} / {y['entropy_rb']:.4f}, TRL's entropy "
-              f"{x['entropy']:.4f} / entropy_full {y['entropy_full']:.4f} (TRL / package)")
+def steps(tmp:Path, n:str, first:str="1000", count:str="1"):
+    for seed in range(int(first), int(first) + int(count)):
+        out = tmp/str(seed)
+        a, b = bed_run(out/"trl", int(n), seed), bed_run(out/"package", int(n), seed)
+        theirs, ours = both_engines(a.adapter.model, b.adapter.model, a.tok, a.task, a.train_config, out, a.adapter)
+        A, B = trainable_parameters(a.adapter.model), trainable_parameters(b.adapter.model)
+        print(f"seed {seed}, after {n} steps: |δS_trl − δS_package| {norm(A[k] - B[k] for k in A):.3e} of "
+              f"|δS_trl| {norm(A.values()):.3e}")
+        for x, y in zip(theirs, ours.records):
+            print(f"step {x['step']}: loss {x['loss']:.6f} / {y['loss']:.6f}, reward {x['reward_mean']:.4f} / "
+                  f"{y['reward_mean']:.4f}, entropy_rb {x['entropy_rb']:.4f} / {y['entropy_rb']:.4f}, TRL's entropy "
+                  f"{x['entropy']:.4f} / entropy_full {y['entropy_full']:.4f} (TRL / package)")
 
 
 def knobs(tmp:Path):
