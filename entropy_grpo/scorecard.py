@@ -13,14 +13,13 @@ from torch import Tensor
 from fastcore.basics import patch
 
 from .delta_entropy_is import DeltaEntropyIS, importance_config
-from .dist import rank
 from .dr_grpo import loss_token_weights
 from .policies import load_policy
 from .predictors import sampled_stats, step_predictors
 from .sequence_processor import GenerationConfig
 from .tasks import DigitTask
 from .probes import entropy_gradient, optimizer_delta
-from .training import TrainConfig, train
+from .training import TrainConfig, step_seed, train
 from .utils import base_optimizer, check_range, markdown_table, wilson, write_json
 
 # %% auto #0
@@ -62,7 +61,7 @@ class PredictorScorecard:
 def _sample_E(self:PredictorScorecard, ctx):
     "E_prompts prompts of this step and rank × G completions of the policy before the step, drawn with a seed "
     "`train` never samples U with (E's draws independent of the step's)."
-    s = (self.seed * 1_000_003 + ctx.step) * 1_009 + rank() + (1 << 40)
+    s = step_seed(self.seed, ctx.step) + (1 << 40)
     problems = self.task.sample(self.E_prompts, random.Random(s), replace=False)
     prompts = [self.task.prompt(p, ctx.sp.tokenizer, hint=ctx.config.hint) for p in problems]
     return ctx.sp.generate_batched(prompts, self.E_G or ctx.config.num_generations, seed=s)

@@ -24,8 +24,8 @@ from .sequence_processor import BatchedSequences, GenerationConfig, LogprobResul
 from .utils import atomic_path, json_default, quiet_checkpointing_name, tqdm_disable, write_json
 
 # %% auto #0
-__all__ = ['FLAGS', 'step_problems', 'Rollout', 'GenerationSource', 'apply_lora', 'StepContext', 'TrainResult', 'build_optimizer',
-           'train']
+__all__ = ['FLAGS', 'step_problems', 'step_seed', 'Rollout', 'GenerationSource', 'apply_lora', 'StepContext', 'TrainResult',
+           'build_optimizer', 'train']
 
 # %% ../nbs/03a_training.ipynb #d8900106
 def step_problems(
@@ -41,6 +41,11 @@ def step_problems(
         if epoch not in shuffles: shuffles[epoch] = task.sample(size, random.Random(seed * 1_000_003 + epoch))
         out.append(shuffles[epoch][i])
     return out
+
+# %% ../nbs/03a_training.ipynb #cd1801a0
+def step_seed(seed:int, step:int) -> int:
+    "This rank's sampling (and dropout) seed at `step` of a run seeded `seed`: distinct over runs, steps and ranks."
+    return (seed * 1_000_003 + step) * 1_009 + rank()    # distinct while step < 1 000 003 and rank < 1 009
 
 # %% ../nbs/03a_training.ipynb #0fb09d38
 @dataclass
@@ -304,7 +309,7 @@ def _train_inputs(cfg:TrainConfig, task, source, out_dir, resume_from) -> tuple:
 def _train_step(run:_Run, ctx:StepContext, source, step:int, cfg:TrainConfig, callbacks, out:Path|None) -> dict:
     "One training step: rollout, scoring, advantages, μ optimizer steps, callbacks, log and checkpoint; its record."
     t_step = time.perf_counter()
-    seed = (cfg.seed * 1_000_003 + step) * 1_009 + rank()    # this rank's sampling (and dropout) seed
+    seed = step_seed(cfg.seed, step)
     torch.manual_seed(seed)
     ro = source(step, run.sp, cfg, seed)
     t = time.perf_counter()

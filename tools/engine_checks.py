@@ -33,7 +33,7 @@ from entropy_grpo.checkpoints import trainable_parameters
 from entropy_grpo.phase3_run import Phase3Config, Phase3Run
 from entropy_grpo.sequence_processor import SequenceProcessor
 from entropy_grpo.tasks import load_task
-from entropy_grpo.training import step_problems
+from entropy_grpo.training import step_problems, step_seed
 from entropy_grpo.trl_callback import GRPOProbe
 from entropy_grpo.trl_engine import Replay, StepBatches, both_engines, train_trl, trl_trainer
 
@@ -191,7 +191,7 @@ def prompts(tmp:Path, trl_dir:str, block_dir:str, first:str, n:str):
             ids, length = trl_step0(tmp/"trl-step0", s)
             same = ids == trainer._tokenize_prompts([task.prompt(p, r.tok, r.train_config.hint) for p in theirs])[0]
             print(f"TRL's real step 0 at seed {s}: prompts as derived here {same}, completion_len {length:.3f}")
-        seed = s * 1_000_003 * 1_009                           # the package's step-0 sampling seed (`_train_step`)
+        seed = step_seed(s, 0)                                 # the package's step-0 sampling seed
         rows.append([mean_len(task, step_problems(task, 0, B, s), seed), mean_len(task, theirs, seed),
                      step0_len(Path(block_dir)/d/f"{s}-{a}"), step0_len(Path(trl_dir)/f"{s}-vanilla")])
         print(s, "replayed package, TRL prompts, logged package, logged TRL:", " ".join(f"{x:.3f}" for x in rows[-1]))
