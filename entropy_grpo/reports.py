@@ -26,7 +26,8 @@ def read_metrics(run_dir) -> dict|None:
     except (OSError, json.JSONDecodeError): return None
 
 def read_state(run_dir) -> dict|None:
-    "The run's run.json: state, template, parameters, who runs it (pid, host) and since when; None before a first run."
+    "The run's run.json: state, template, parameters, who runs it (pid, host), on what (`environments`: versions"
+    " and CPU, one a (re)start) and since when; None before a first run."
     try: return json.loads((Path(run_dir)/"run.json").read_text())
     except (OSError, json.JSONDecodeError): return None
 
@@ -205,11 +206,28 @@ def _save_report(run_dir:Path, note:str|None=None):
     with atomic_path(run_dir/"report.ipynb") as tmp: nbformat.write(nb, str(tmp))
     part.unlink()
 
-# %% ../nbs/07a_reports.ipynb #2402e212
+# %% ../nbs/07a_reports.ipynb #ca01123f
+_VERSIONS = ("entropy_grpo", "torch", "transformers", "trl", "peft", "numpy")
+
+def _environment() -> dict:
+    "What a run's numbers turn on beside its parameters: the installed versions (None: not installed), Python, the"
+    " CPU, the vector width torch's kernels use and their thread count (a sampled token can turn on a float's last"
+    " bits: the same seed on another machine or install may draw another reply)."
+    import importlib.metadata as md, platform, torch
+    def version(name):
+        try: return md.version(name)
+        except md.PackageNotFoundError: return None
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = re.search(r"^model name\s*:\s*(.+)$", cpu, re.M)
+    return dict(versions={n: version(n) for n in _VERSIONS}, python=platform.python_version(),
+                cpu=model[1].strip() if model else platform.processor() or platform.machine(),
+                cpu_capability=torch.backends.cpu.get_cpu_capability(), threads=torch.get_num_threads())
+
 def _same_run(state:dict|None, template, parameters:dict) -> bool:
     return state is not None and state.get("template") == str(template) and \
         state.get("parameters") == json.loads(json.dumps(parameters, default=json_default))
 
+# %% ../nbs/07a_reports.ipynb #2402e212
 def _finished_before(run_dir:Path, template, parameters:dict, exp:str, log_path:Path) -> dict|None:
     "This run, killed after its work (only its record missing): recorded now. None when it must run (again)."
     s = read_state(run_dir)
@@ -231,8 +249,9 @@ def _prepare_run_dir(run_dir:Path, template, parameters:dict) -> str:
             if p.is_dir() and not p.is_symlink(): shutil.rmtree(p)
             else: p.unlink()
     for name in ("metrics.json", "report.ipynb", PARTIAL): (run_dir/name).unlink(missing_ok=True)
+    envs = (s.get("environments", []) if mode == "resume" else []) + [_environment()]   # one per (re)start
     write_json(run_dir/"run.json", dict(state="started", template=str(template), parameters=parameters, mode=mode,
-                                        pid=os.getpid(), host=socket.gethostname(),
+                                        pid=os.getpid(), host=socket.gethostname(), environments=envs,
                                         started=dt.datetime.now().isoformat(timespec="seconds")))
     return mode
 

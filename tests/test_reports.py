@@ -152,3 +152,19 @@ def test_git_sha_is_dirty_for_code_not_for_records(tmp_path):
     assert git_sha(tmp_path) == head
     (tmp_path / "code.py").write_text("x = 1")
     assert git_sha(tmp_path) == head + "-dirty"
+
+
+def test_run_json_names_what_each_start_ran_on(tmp_path):
+    "A sampled reply can turn on a float's last bits: run.json keeps the versions and CPU of every (re)start."
+    import platform, torch
+    template, run, log = tiny_template(tmp_path / "t.ipynb"), tmp_path / "exp" / "0-a", tmp_path / "LOG.md"
+    assert run_notebook(template, run, dict(mark="a"), log_path=log)["status"] == "ok"
+    (env,) = read_state(run)["environments"]
+    assert env["versions"]["torch"] == torch.__version__ and env["versions"]["entropy_grpo"]
+    assert env["python"] == platform.python_version() and env["threads"] == torch.get_num_threads()
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and env["cpu"]
+    _set_state(run, "interrupted")
+    assert run_notebook(template, run, dict(mark="a"), log_path=log)["status"] == "ok"
+    assert read_state(run)["mode"] == "resume" and read_state(run)["environments"] == [env, env]
+    assert run_notebook(template, run, dict(mark="b"), log_path=log)["status"] == "ok"
+    assert read_state(run)["mode"] == "fresh" and read_state(run)["environments"] == [env]
