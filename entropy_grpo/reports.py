@@ -223,6 +223,7 @@ def _environment() -> dict:
                 cpu=model[1].strip() if model else platform.processor() or platform.machine(),
                 cpu_capability=torch.backends.cpu.get_cpu_capability(), threads=torch.get_num_threads())
 
+# %% ../nbs/07a_reports.ipynb #5a3e9d70
 def _same_run(state:dict|None, template, parameters:dict) -> bool:
     return state is not None and state.get("template") == str(template) and \
         state.get("parameters") == json.loads(json.dumps(parameters, default=json_default))
