@@ -3,7 +3,7 @@
 # commit it is frozen at (its RUNNING.md says why), this checkout's .venv linked in, the finished files committed here
 # copied in without overwriting anything the worktree already has, its command started in the background, and a loop
 # that commits its finished files here every 15 minutes (tools/save_runs.sh). Run from this checkout; log a line in
-# the record's RUNNING.md.
+# the record's RUNNING.md. tools/pause_records.sh stop | cont pauses them all and lets them go on.
 #   usage: tools/resume_records.sh bed BLOCK FIRST_SEED           the bed's block (pools, probes to their v_hack, arms)
 #          tools/resume_records.sh probe BLOCK FIRST_SEED SETTING one probe through to its report: alone, at a
 #                                                                 session's start (37 min to 2 h 50 min, by machine)
