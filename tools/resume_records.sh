@@ -8,7 +8,8 @@
 #          tools/resume_records.sh probe BLOCK FIRST_SEED SETTING one probe through to its report: alone, at a
 #                                                                 session's start (37 min to 2 h 50 min, by machine)
 #          tools/resume_records.sh engines                        the SmolLM2 engine record, in the bed's idle time
-#          tools/resume_records.sh engines-block2                 its second block (PROTOCOL.md's addendum 2)
+#          tools/resume_records.sh engines-block2                 its second block (PROTOCOL.md's addendum 2); two
+#                                                                 runs at a time when the calibration is not running
 #          tools/resume_records.sh calibration                    the calibration's second record, both blocks at
 #                                                                 once on one thread each (about 22 h of both cores)
 #          DRY_RUN=1 tools/resume_records.sh …                    the worktrees and files only; prints the commands
@@ -94,11 +95,14 @@ case ${1:-} in
     start "$up/engines2" "$up/engines2/engines.log" "record-engines-smollm2$" \
       env PYTHONPATH="$up/engines2" nice -n 19 make -o setup record-engines-smollm2   # -o: main's .venv, set up above
     start "$main" "$up/records-renice.log" "resume_records.sh _renice" bash tools/resume_records.sh _renice ;;
-  engines-block2)   # beside the calibration's record: an equal share of the machine
+  engines-block2)   # beside the calibration's record, one run at a time (an equal share of the machine); alone on
+    # it, two at a time (one thread and 5.7 GB each): the frozen recipe with its --max-parallel alone raised
     worktree "$up/engines-b2" "$ENGINES_B2"
     bring "$up/engines-b2" engines/smollm2/trl-block2 hackbed/block2/A-phase2
+    jobs=1; [ -n "$(pids_in "$up/calib")" ] || jobs=2
+    recipe="make -o setup -s -n record-engines-smollm2-2 | sed 's/--max-parallel 1 /--max-parallel $jobs /'"
     start "$up/engines-b2" "$up/engines-b2/engines.log" record-engines-smollm2-2 \
-      env PYTHONPATH="$up/engines-b2" nice -n 10 make -o setup record-engines-smollm2-2 ;;
+      env PYTHONPATH="$up/engines-b2" nice -n 10 bash -c "$recipe | bash -e" ;;
   calibration)
     if probe_running; then echo "a probe is running: it runs alone" >&2; exit 1; fi
     worktree "$up/calib" "$CALIB"
