@@ -129,9 +129,12 @@ def test_resume_records_lays_the_worktrees_and_keeps_what_they_have(tmp_path):
                                  "-j2 record-calibration" in r.stdout, r.stdout + r.stderr
     assert _git(tmp_path / "calib", "rev-parse", "--short=7", "HEAD").strip() == "10ec03b"
     assert (tmp_path / "calib" / "runs/calibration2/PROTOCOL.md").exists()
-    r = run("engines-block2")
-    assert r.returncode == 0 and f"cd {tmp_path}/engines-b2 && env PYTHONPATH={tmp_path}/engines-b2 nice -n 10 make " \
-                                 "-o setup record-engines-smollm2-2" in r.stdout, r.stdout + r.stderr
+    r = run("engines-block2")                         # no calibration at work: two runs at a time, the frozen recipe's
+    recipe = "make -o setup -s -n record-engines-smollm2-2"            # --max-parallel alone raised
+    assert r.returncode == 0 and f"cd {tmp_path}/engines-b2 && env PYTHONPATH={tmp_path}/engines-b2 nice -n 10 bash " \
+        f"-c {recipe} | sed 's/--max-parallel 1 /--max-parallel 2 /' | bash -e" in r.stdout, r.stdout + r.stderr
+    frozen = subprocess.run(recipe.split(), cwd=tmp_path / "engines-b2", capture_output=True, text=True).stdout
+    assert "--max-parallel 1 " in frozen and "sweep --out runs/engines/smollm2/trl-block2" in frozen, frozen
     assert _git(tmp_path / "engines-b2", "rev-parse", "--short=7", "HEAD").strip() == "179b172"
     assert (tmp_path / "engines-b2" / "runs/hackbed/block2/A-phase2/v_hack.safetensors").exists()
     (fake := tmp_path / "hackbed_block.sh").write_text("sleep 60\n")           # a probe at work in the bed's worktree
